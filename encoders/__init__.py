@@ -1,0 +1,1 @@
+"""Encoder adapters and the caches of their outputs."""

@@ -1,0 +1,63 @@
+"""The engine's configuration tree: built once, validated on construction, never mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipelines.request import ImageLimits
+from stages.pool import PoolConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the id clients use (`model` field)
+    path: str  # local checkpoint directory or hub id
+    family: str | None = None  # None: detected from model_index.json / config.json
+    device: str = "cpu"
+    dtype: str = "float32"
+    # Pools by stage kind ("text_encode", "denoise", "vae_decode"); missing kinds use the defaults below.
+    pools: dict[str, PoolConfig] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name and self.name.startswith("/"):
+            raise ValueError(f"model name {self.name!r} must be a non-empty id")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"model {self.name}: dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+
+    def pool(self, kind: str) -> PoolConfig:
+        return self.pools.get(kind) or DEFAULT_POOLS.get(kind, PoolConfig())
+
+
+# Batching windows: the denoise loop batches at step boundaries (no extra wait needed);
+# text encoding and VAE decode are short, so a few milliseconds of company is cheap.
+DEFAULT_POOLS = {
+    "text_encode": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256),
+    "denoise": PoolConfig(max_batch_size=8, max_delay_ms=0.0, max_queue=64),
+    "vae_decode": PoolConfig(max_batch_size=4, max_delay_ms=2.0, max_queue=256),
+}
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    workers: int = 2  # media worker processes
+    task_cpu_s: float = 20.0  # CPU seconds one decode/encode may use
+    task_memory_mb: int = 2048  # address-space limit of a media worker
+    task_timeout_s: float = 30.0  # wall clock; a hung worker is killed and replaced
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ValueError(f"media.workers must be >= 1, got {self.workers}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    models: tuple[ModelSpec, ...]
+    limits: ImageLimits = ImageLimits()
+    media: MediaConfig = MediaConfig()
+    prompt_cache_mb: int = 256  # byte budget of the prompt-embedding cache
+    request_timeout_s: float | None = 600.0  # default deadline of a request
+
+    def __post_init__(self):
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")

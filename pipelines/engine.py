@@ -1,0 +1,158 @@
+"""The Engine: loaded models, their stage pools, the executor and the media workers.
+
+One Engine serves the REST server, the CLI and the Python API alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from encoders.cache import EncoderCache
+from pipelines.config import EngineConfig, ModelSpec
+from pipelines.families.base import ImageFamily
+from pipelines.registry import detect_family, family_class
+from pipelines.request import ImageRequest, RequestError, Task
+from stages.diffusion import DenoiseStage, TextEncodeStage, VaeDecodeStage
+from stages.executor import GraphExecutor
+from stages.graph import StageGraph
+from stages.metrics import Metrics
+from stages.request import RequestHandle
+
+log = logging.getLogger(__name__)
+
+MEDIA_STATUS = {"media_bytes": 413, "media_pixels": 413, "media_frames": 413, "media_duration": 413}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str  # the name clients use
+    family: str  # "sd", "sdxl", "sd3", "flux"
+    path: str  # checkpoint directory or hub id
+    tasks: tuple[str, ...]  # "text-to-image", "image-to-image", "inpainting"
+    size_factor: int  # width and height must be multiples of this
+    default_size: int  # square size used when the request names none
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.executor = GraphExecutor(self.metrics)
+        self.prompt_cache = EncoderCache("prompt_embedding", config.prompt_cache_mb << 20, self._cache_event)
+        self.models: dict[str, ModelInfo] = {}
+        self._families: dict[str, ImageFamily] = {}
+        self._media = None  # started on first use: the Python API may never encode
+        self._media_lock = threading.Lock()
+        self._ready = threading.Event()
+        self.load_error: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load every model, start the pools, warm each model with one tiny request; then ready."""
+        self.executor.start()
+        try:
+            for spec in self.config.models:
+                self._load(spec)
+            for name in self.models:
+                self._warm(name)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            raise
+        self._ready.set()
+
+    def shutdown(self) -> None:
+        self._ready.clear()
+        self.executor.shutdown()
+        if self._media is not None:
+            self._media.close()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def _load(self, spec: ModelSpec) -> None:
+        family_name = spec.family or detect_family(spec.path)
+        family: ImageFamily = family_class(family_name)(
+            spec.name, spec.path, device=spec.device, dtype=spec.dtype, prompt_cache=self.prompt_cache)
+        for kind, stage in (("text_encode", TextEncodeStage(family)), ("denoise", DenoiseStage(family)),
+                            ("vae_decode", VaeDecodeStage(family))):
+            self.executor.add_pool(f"{spec.name}/{kind}", stage, spec.pool(kind))
+        self._families[spec.name] = family
+        self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, family.tasks,
+                                           family.size_factor, family.default_size)
+        log.info("loaded %s (%s) from %s", spec.name, family_name, spec.path)
+
+    def _warm(self, name: str) -> None:
+        info = self.models[name]
+        size = info.size_factor * 2
+        self.submit_image(name, ImageRequest(prompt="warm-up", width=size, height=size, num_inference_steps=1,
+                                             seed=0)).result(timeout=600)
+
+    # -- requests -------------------------------------------------------------------------
+    def family(self, model: str) -> ImageFamily:
+        family = self._families.get(model)
+        if family is None:
+            raise RequestError("model", f"model {model!r} does not exist; available: {sorted(self._families)}",
+                               code="model_not_found", status=404)
+        return family
+
+    def graph(self, model: str) -> StageGraph:
+        return StageGraph.chain(("text_encode", f"{model}/text_encode"), ("denoise", f"{model}/denoise"),
+                                ("vae_decode", f"{model}/vae_decode"))
+
+    def submit_image(self, model: str, request: ImageRequest, *, request_id: str | None = None) -> RequestHandle:
+        """Validate (cheap checks, before any model work), then run the image graph.
+
+        Final outputs: {"images": [PIL.Image], "pixels": float [n, H, W, 3], "seed": int}.
+        """
+        family = self.family(model)
+        request = family.validate(request, self.config.limits)
+        return self.executor.submit(self.graph(model), {"request": request}, request_id=request_id,
+                                    deadline_s=self.config.request_timeout_s, model=model)
+
+    # -- media ----------------------------------------------------------------------------
+    def media(self):
+        with self._media_lock:
+            if self._media is None:
+                from stages.media_pool import MediaPool
+
+                m = self.config.media
+                self._media = MediaPool(workers=m.workers, task_cpu_s=m.task_cpu_s, task_memory_mb=m.task_memory_mb,
+                                        task_timeout_s=m.task_timeout_s, metrics=self.metrics)
+            return self._media
+
+    def encode_images(self, images: list, fmt: str, quality: int | None = None) -> list[bytes]:
+        """PIL images -> encoded bytes, in the media worker processes."""
+        from stages.media import MediaError
+        try:
+            return [self.media().run("encode_image", np.asarray(im.convert("RGB")), fmt, quality) for im in images]
+        except MediaError as exc:
+            raise RequestError("output_format", exc.message, code=exc.code) from exc
+
+    def decode_image(self, data: bytes, *, param: str, mode: str = "RGB"):
+        """Uploaded bytes -> PIL image, decoded with limits in a media worker process."""
+        from stages.media import ImageDecodeLimits, MediaError
+        try:
+            decoded = self.media().run("decode_image", data, ImageDecodeLimits(), mode=mode)
+        except MediaError as exc:
+            raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
+        return decoded.to_pil()
+
+    def _cache_event(self, cache: str, kind: str, bytes_held: int) -> None:
+        if kind == "hit":
+            self.metrics.cache_hits.labels(cache=cache).inc()
+        elif kind == "miss":
+            self.metrics.cache_misses.labels(cache=cache).inc()
+        self.metrics.cache_bytes.labels(cache=cache).set(bytes_held)
+
+
+def image_task(has_image: bool, has_mask: bool) -> Task:
+    if has_mask:
+        return Task.INPAINTING
+    return Task.IMAGE_TO_IMAGE if has_image else Task.TEXT_TO_IMAGE
+

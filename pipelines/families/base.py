@@ -1,0 +1,173 @@
+"""What every image family shares: loading, per-request pipeline views, caching, batched decode.
+
+A family subclass reads like the diffusers pipeline it mirrors, in numbered steps. The
+diffusers pipeline object is used for its components and its helper methods (prompt
+encoding, latent preparation) on a per-request *view* that carries the request's own
+scheduler; the denoise loop itself is ours (stages/diffusion.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Hashable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from encoders.cache import EncoderCache
+from pipelines.request import ImageRequest, Task
+from stages.stage import WorkItem
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ImageFamily:
+    family: str = ""  # short name used in config and detection ("sd", "sdxl", ...)
+    class_names: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads
+    pipeline_classes: dict[Task, type] = {}  # diffusers pipelines per task, sharing components
+    default_steps: int = 50
+    default_guidance: float = 7.5
+    load_kwargs: dict[str, Any] = {}  # extra from_pretrained arguments
+
+    def __init__(self, name: str, path: str, *, device: str = "cpu", dtype: str = "float32",
+                 prompt_cache: EncoderCache | None = None):
+        self.name = name
+        self.path = path
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.prompt_cache = prompt_cache or EncoderCache(f"{name}/prompt", 0)
+        base_cls = self.pipeline_classes[Task.TEXT_TO_IMAGE]
+        base = base_cls.from_pretrained(path, torch_dtype=self.dtype, **self.load_kwargs)
+        base.set_progress_bar_config(disable=True)
+        base.to(self.device)
+        # The variants share the same module objects: no extra weights in memory.
+        self.pipes = {Task.TEXT_TO_IMAGE: base}
+        for task, cls in self.pipeline_classes.items():
+            if task is not Task.TEXT_TO_IMAGE:
+                self.pipes[task] = cls(**base.components)
+                self.pipes[task].set_progress_bar_config(disable=True)
+        self.weights_id = f"{self.family}:{path}"  # enters cache identities; a reload gets a new object anyway
+        self._vae_lock = threading.Lock()  # the VAE is shared by prepare (encode), previews and decode
+
+    # -- facts the API layer needs --------------------------------------------------------
+    @property
+    def pipe(self):
+        return self.pipes[Task.TEXT_TO_IMAGE]
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(t.value for t in self.pipes)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.pipe.vae_scale_factor
+
+    @property
+    def size_factor(self) -> int:
+        """Width and height must be multiples of this."""
+        return self.vae_scale_factor
+
+    @property
+    def default_size(self) -> int:
+        raise NotImplementedError
+
+    def validate(self, request: ImageRequest, limits) -> ImageRequest:
+        if request.task.value not in self.tasks:
+            from pipelines.request import RequestError
+            raise RequestError("model", f"model {self.name} does not support {request.task.value}; it supports {list(self.tasks)}")
+        return request.validate(size_factor=self.size_factor, default_size=self.default_size,
+                                default_steps=self.default_steps, default_guidance=self.default_guidance, limits=limits)
+
+    # -- per-request objects ----------------------------------------------------------------
+    def new_scheduler(self):
+        """A scheduler private to one request: its position never lives on a shared object."""
+        base = self.pipe.scheduler
+        return type(base).from_config(base.config)
+
+    def view(self, task: Task, scheduler):
+        """A shallow copy of the task's pipeline whose scheduler belongs to one request."""
+        view = copy.copy(self.pipes[task])
+        object.__setattr__(view, "scheduler", scheduler)  # bypass register_to_config: the view is private
+        return view
+
+    def generator(self, seed: int) -> torch.Generator:
+        # Seeds mean what diffusers means with torch.Generator("cpu").manual_seed(seed).
+        return torch.Generator("cpu").manual_seed(seed)
+
+    # -- text_encode ------------------------------------------------------------------------
+    def text_key(self, text: str) -> Hashable:
+        """The token ids of every tokenizer the family uses (the prompt cache identity)."""
+        raise NotImplementedError
+
+    def encode_text(self, text: str) -> dict[str, torch.Tensor]:
+        """Embeddings of one prompt, batch size 1, no guidance."""
+        raise NotImplementedError
+
+    def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
+        """Per-request conditioning for the denoiser (guidance halves, repeated n times)."""
+        raise NotImplementedError
+
+    def uses_negative(self, request: ImageRequest) -> bool:
+        return request.guidance_scale > 1.0
+
+    def cached_text(self, text: str, tenant: str) -> dict[str, torch.Tensor]:
+        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text))
+        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text))
+
+    @torch.inference_mode()
+    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        out = []
+        for item in items:
+            req: ImageRequest = item.inputs["request"]
+            prompt = self.cached_text(req.prompt, req.tenant)
+            negative = self.cached_text(req.negative_prompt or "", req.tenant) if self.uses_negative(req) else None
+            out.append({"cond": self.conditioning(prompt, negative, req)})
+        return out
+
+    # -- denoise helpers shared by the families -----------------------------------------------
+    @staticmethod
+    def guide(model_output: torch.Tensor, cfg: bool, scale: float) -> torch.Tensor:
+        if not cfg:
+            return model_output
+        uncond, cond = model_output.chunk(2)
+        return uncond + scale * (cond - uncond)
+
+    @staticmethod
+    def split(batched: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return list(torch.split(batched, sizes))
+
+    def preview(self, item: WorkItem) -> Image.Image:
+        with torch.inference_mode(), self._vae_lock:
+            pixels = self.latents_to_pixels(item.state["latents"], item.state.get("decode_extras", {}))
+        return numpy_to_pil(pixels)[0]
+
+    # -- vae_decode -------------------------------------------------------------------------
+    def decode_key(self, item: WorkItem) -> Hashable:
+        lat = item.inputs["latents"]
+        return (tuple(lat.shape[1:]), lat.dtype, tuple(sorted(item.inputs.get("decode_extras", {}).items())))
+
+    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
+        """[N, ...] latents -> [N, H, W, 3] float pixels in [0, 1]."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def decode(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        latents = torch.cat([it.inputs["latents"] for it in items])
+        with self._vae_lock:
+            pixels = self.latents_to_pixels(latents, items[0].inputs.get("decode_extras", {}))
+        out, start = [], 0
+        for item in items:
+            n = item.inputs["latents"].shape[0]
+            chunk = pixels[start:start + n]
+            start += n
+            out.append({"pixels": chunk, "images": numpy_to_pil(chunk), "seed": item.inputs["request"].seed})
+        return out
+
+    def postprocess(self, image: torch.Tensor) -> np.ndarray:
+        return self.pipe.image_processor.postprocess(image, output_type="np")
+
+
+def numpy_to_pil(pixels: np.ndarray) -> list[Image.Image]:
+    return [Image.fromarray((p * 255).round().astype("uint8")) for p in pixels]

@@ -1,0 +1,147 @@
+"""Stable Diffusion 1.x / 2.x: UNet + CLIP text encoder + AutoencoderKL."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import numpy as np
+import torch
+from diffusers import (StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
+                       StableDiffusionPipeline)
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+
+from pipelines.families.base import ImageFamily
+from pipelines.request import ImageRequest, Task
+from stages.stage import WorkItem
+
+
+class StableDiffusionFamily(ImageFamily):
+    family = "sd"
+    class_names = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
+    pipeline_classes = {
+        Task.TEXT_TO_IMAGE: StableDiffusionPipeline,
+        Task.IMAGE_TO_IMAGE: StableDiffusionImg2ImgPipeline,
+        Task.INPAINTING: StableDiffusionInpaintPipeline,
+    }
+    load_kwargs = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    default_steps = 50
+    default_guidance = 7.5
+
+    @property
+    def default_size(self) -> int:
+        return self.pipe.unet.config.sample_size * self.vae_scale_factor
+
+    # -- 1. text ----------------------------------------------------------------------------
+    def text_key(self, text: str) -> Hashable:
+        tok = self.pipe.tokenizer
+        return tuple(tok(text, padding="max_length", max_length=tok.model_max_length, truncation=True).input_ids)
+
+    def encode_text(self, text: str) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipe.encode_prompt(text, self.device, 1, False)
+        return {"embeds": embeds}  # [1, L, D]
+
+    def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
+        n = request.n
+        embeds = prompt["embeds"].repeat(n, 1, 1)  # as diffusers' num_images_per_prompt repeat
+        if negative is not None:
+            embeds = torch.cat([negative["embeds"].repeat(n, 1, 1), embeds])  # [uncond x n, cond x n]
+        return {"embeds": embeds, "cfg": negative is not None}
+
+    # -- 2. prepare ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare(self, item: WorkItem) -> None:
+        req: ImageRequest = item.inputs["request"]
+        cond = item.inputs["cond"]
+        scheduler = self.new_scheduler()
+        view = self.view(req.task, scheduler)
+        generator = self.generator(req.seed)
+        dtype = cond["embeds"].dtype
+        unet_channels = view.unet.config.in_channels
+
+        # 2.1 timesteps (image-to-image and inpainting start part-way, by strength)
+        timesteps, steps = retrieve_timesteps(scheduler, req.num_inference_steps, self.device)
+        if req.task is not Task.TEXT_TO_IMAGE:
+            timesteps, steps = view.get_timesteps(steps, req.strength, self.device)
+            if steps < 1:
+                from pipelines.request import RequestError
+                raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
+        latent_timestep = timesteps[:1].repeat(req.n)
+        state: dict[str, Any] = {"scheduler": scheduler, "timesteps": timesteps, "total": len(timesteps)}
+
+        # 2.2 latents
+        if req.task is Task.TEXT_TO_IMAGE:
+            latents = view.prepare_latents(req.n, unet_channels, req.height, req.width, dtype, self.device, generator)
+        elif req.task is Task.IMAGE_TO_IMAGE:
+            image = view.image_processor.preprocess(req.image, height=req.height, width=req.width)
+            with self._vae_lock:
+                latents = view.prepare_latents(image, latent_timestep, 1, req.n, dtype, self.device, generator)
+        else:
+            init_image = view.image_processor.preprocess(req.image, height=req.height, width=req.width).to(torch.float32)
+            with self._vae_lock:
+                latents, noise, *image_latents = view.prepare_latents(
+                    req.n, view.vae.config.latent_channels, req.height, req.width, dtype, self.device, generator,
+                    image=init_image, timestep=latent_timestep, is_strength_max=req.strength == 1.0,
+                    return_noise=True, return_image_latents=unet_channels == 4)
+                mask_condition = view.mask_processor.preprocess(req.mask, height=req.height, width=req.width)
+                masked_image = init_image * (mask_condition < 0.5)
+                mask, masked_image_latents = view.prepare_mask_latents(
+                    mask_condition, masked_image, req.n, req.height, req.width, dtype, self.device, generator, cond["cfg"])
+            state.update(mask=mask, masked_image_latents=masked_image_latents, noise=noise,
+                         image_latents=image_latents[0] if image_latents else None)
+
+        # 2.3 scheduler extras and the guidance embedding of distilled UNets
+        state["step_kwargs"] = view.prepare_extra_step_kwargs(generator, 0.0)
+        state["timestep_cond"] = None
+        if view.unet.config.time_cond_proj_dim is not None:
+            g = torch.tensor(req.guidance_scale - 1).repeat(req.n * (2 if cond["cfg"] else 1))
+            state["timestep_cond"] = view.get_guidance_scale_embedding(
+                g, embedding_dim=view.unet.config.time_cond_proj_dim).to(device=self.device, dtype=latents.dtype)
+        state["latents"] = latents
+        item.state.update(state)
+
+    # -- 3. denoise ------------------------------------------------------------------------
+    def denoise_key(self, item: WorkItem) -> Hashable:
+        s, cond = item.state, item.inputs["cond"]
+        return (tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
+                "mask" in s and self.pipe.unet.config.in_channels == 9, s["timestep_cond"] is not None)
+
+    @torch.inference_mode()
+    def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
+        inputs, timesteps, embeds, tconds = [], [], [], []
+        for item in items:
+            s, cond = item.state, item.inputs["cond"]
+            t = s["timesteps"][s["i"]]
+            x = torch.cat([s["latents"]] * 2) if cond["cfg"] else s["latents"]
+            x = s["scheduler"].scale_model_input(x, t)
+            if "mask" in s and self.pipe.unet.config.in_channels == 9:
+                x = torch.cat([x, s["mask"], s["masked_image_latents"]], dim=1)
+            inputs.append(x)
+            timesteps.append(t.expand(x.shape[0]))  # per-sample timesteps: items sit at different steps
+            embeds.append(cond["embeds"])
+            tconds.append(s["timestep_cond"])
+        out = self.pipe.unet(
+            torch.cat(inputs), torch.cat(timesteps), encoder_hidden_states=torch.cat(embeds),
+            timestep_cond=torch.cat(tconds) if tconds[0] is not None else None, return_dict=False)[0]
+        return self.split(out, [x.shape[0] for x in inputs])
+
+    @torch.inference_mode()
+    def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
+        s, req = item.state, item.inputs["request"]
+        i, timesteps = s["i"], s["timesteps"]
+        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], req.guidance_scale)
+        latents = s["scheduler"].step(noise_pred, timesteps[i], s["latents"], **s["step_kwargs"], return_dict=False)[0]
+        if s.get("image_latents") is not None:
+            # Inpainting with a plain UNet: keep the unmasked area on the input image's noise path.
+            init_mask = s["mask"].chunk(2)[0] if item.inputs["cond"]["cfg"] else s["mask"]
+            proper = s["image_latents"]
+            if i < len(timesteps) - 1:
+                proper = s["scheduler"].add_noise(proper, s["noise"], torch.tensor([timesteps[i + 1]]))
+            latents = (1 - init_mask) * proper + init_mask * latents
+        s["latents"] = latents
+        s["i"] = i + 1
+
+    # -- 4. decode ---------------------------------------------------------------------------
+    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
+        vae = self.pipe.vae
+        image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+        return self.postprocess(image)

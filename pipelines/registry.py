@@ -1,0 +1,69 @@
+"""Model families by name, and detection of a checkpoint's family from its own files."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+# family name -> "module:Class"; one file per family in pipelines/families/.
+FAMILIES = {
+    "sd": "pipelines.families.sd:StableDiffusionFamily",
+    "sdxl": "pipelines.families.sdxl:StableDiffusionXLFamily",
+    "sd3": "pipelines.families.sd3:StableDiffusion3Family",
+    "flux": "pipelines.families.flux:FluxFamily",
+}
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
+
+# model_index.json `_class_name` -> family. Listed here (not imported from the family files) so
+# that detection stays cheap and works before any family module is importable.
+CLASS_NAMES = {
+    "StableDiffusionPipeline": "sd", "StableDiffusionImg2ImgPipeline": "sd", "StableDiffusionInpaintPipeline": "sd",
+    "StableDiffusionXLPipeline": "sdxl", "StableDiffusionXLImg2ImgPipeline": "sdxl",
+    "StableDiffusionXLInpaintPipeline": "sdxl",
+    "StableDiffusion3Pipeline": "sd3", "StableDiffusion3Img2ImgPipeline": "sd3", "StableDiffusion3InpaintPipeline": "sd3",
+    "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
+}
+
+
+def family_class(family: str):
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}")
+    module, cls = FAMILIES[family].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _read_index(path: str) -> tuple[dict | None, dict | None]:
+    """model_index.json and config.json of a local directory or a hub id (hub only from the local cache)."""
+    found = []
+    for name in ("model_index.json", "config.json"):
+        local = Path(path) / name
+        if local.is_file():
+            found.append(json.loads(local.read_text()))
+            continue
+        if Path(path).exists():
+            found.append(None)
+            continue
+        try:
+            from huggingface_hub import hf_hub_download
+            found.append(json.loads(Path(hf_hub_download(path, name)).read_text()))
+        except Exception:  # not on the hub cache: the caller reports what it found
+            found.append(None)
+    return found[0], found[1]
+
+
+def detect_family(path: str) -> str:
+    """The family of a checkpoint from model_index.json `_class_name` or config.json `architectures`."""
+    index, config = _read_index(path)
+    supported = ", ".join(f"{f} ({', '.join(sorted(c for c, fam in CLASS_NAMES.items() if fam == f))})"
+                          for f in SUPPORTED_FAMILIES)
+    if index is None and config is None:
+        raise ValueError(f"{path}: no model_index.json or config.json found (a local directory or a cached hub id). "
+                         f"Supported families: {supported}")
+    if index is not None:
+        name = index.get("_class_name", "")
+        if name in CLASS_NAMES:
+            return CLASS_NAMES[name]
+        raise ValueError(f"{path}: model_index.json names {name!r}, which mmserve does not serve. Supported: {supported}")
+    arch = (config or {}).get("architectures") or []
+    raise ValueError(f"{path}: config.json architectures {arch} are not a supported family. Supported: {supported}")

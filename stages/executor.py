@@ -1,0 +1,144 @@
+"""GraphExecutor: admits requests, dispatches ready graph nodes to pools, streams events, cancels."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+from stages.events import CapacityError, EventKind, StageError
+from stages.graph import StageGraph
+from stages.metrics import Metrics
+from stages.pool import PoolConfig, StagePool
+from stages.request import RequestHandle, RequestState
+from stages.stage import Stage, WorkItem
+
+
+class _Run:
+    """The executor's view of one request: its graph and which nodes have started or finished."""
+
+    def __init__(self, state: RequestState, graph: StageGraph, inputs: dict[str, Any]):
+        self.state = state
+        self.graph = graph
+        self.inputs = inputs
+        self.started: set[str] = set()
+        self.done: set[str] = set()
+
+
+class GraphExecutor:
+    def __init__(self, metrics: Metrics | None = None):
+        self.metrics = metrics or Metrics()
+        self.pools: dict[str, StagePool] = {}
+        self._runs: dict[str, _Run] = {}
+        self._lock = threading.Lock()
+        self._started = False
+
+    # -- set-up -------------------------------------------------------------------------
+    def add_pool(self, name: str, stage: Stage, config: PoolConfig | None = None) -> StagePool:
+        if name in self.pools:
+            raise ValueError(f"pool {name!r} already exists")
+        pool = StagePool(name, stage, config or PoolConfig(), self.metrics, self._on_done, self._on_drop)
+        self.pools[name] = pool
+        if self._started:
+            pool.start()
+        return pool
+
+    def start(self) -> None:
+        self._started = True
+        for pool in self.pools.values():
+            pool.start()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            runs = list(self._runs.values())
+        for run in runs:
+            run.state.request_cancel()
+            run.state.fail(StageError("shutting_down", "the server is shutting down", status=503))
+        for pool in self.pools.values():
+            pool.stop()
+
+    # -- requests -----------------------------------------------------------------------
+    def submit(self, graph: StageGraph, inputs: dict[str, Any], *, request_id: str | None = None,
+               deadline_s: float | None = None, model: str = "") -> RequestHandle:
+        """Admit a request and start its first nodes. Raises CapacityError when the entry pool is full."""
+        first = graph.ready(set(), set())
+        for node in first:
+            pool = self.pools.get(node.pool)
+            if pool is None:
+                raise ValueError(f"graph node {node.name!r} names unknown pool {node.pool!r}")
+            if not pool.has_room():
+                raise CapacityError(f"stage {node.pool} has {pool.config.max_queue} requests waiting; retry shortly")
+        rid = request_id or f"req_{uuid.uuid4().hex[:24]}"
+        deadline = time.monotonic() + deadline_s if deadline_s else None
+        state = RequestState(rid, deadline=deadline, model=model)
+        run = _Run(state, graph, inputs)
+        with self._lock:
+            if rid in self._runs:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self._runs[rid] = run
+        state.on_close(lambda: self._forget(rid))
+        state.emit(EventKind.QUEUED)
+        self._dispatch(run)
+        return RequestHandle(state, self)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request: workers drop its items at their next boundary; one terminal event."""
+        with self._lock:
+            run = self._runs.get(request_id)
+        if run is None:
+            return False
+        run.state.request_cancel()
+        return run.state.fail(StageError("cancelled", "the request was cancelled", status=499))
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._runs)
+
+    def idle(self) -> bool:
+        return self.in_flight() == 0 and all(p.idle for p in self.pools.values())
+
+    # -- internals ----------------------------------------------------------------------
+    def _dispatch(self, run: _Run) -> None:
+        with self._lock:
+            ready = run.graph.ready(run.done, run.started)
+            for node in ready:
+                run.started.add(node.name)
+        for node in ready:
+            inputs = dict(run.inputs)
+            inputs.update(node.params)
+            for dep in node.after:
+                inputs.update(run.state.outputs.get(dep, {}))
+            item = WorkItem(run.state, node.name, inputs, generation=run.state.generation)
+            self.pools[node.pool].put(item)
+
+    def _on_done(self, item: WorkItem, outputs: dict[str, Any]) -> None:
+        state = item.request
+        if state.should_stop() or item.generation != state.generation:
+            self._on_drop(item, None)
+            return
+        with self._lock:
+            run = self._runs.get(state.request_id)
+        if run is None:
+            return
+        state.outputs[item.node] = outputs
+        with self._lock:
+            run.done.add(item.node)
+        if item.node == run.graph.output:
+            if state.emit(EventKind.FINAL, stage=item.node, generation=item.generation, outputs=outputs):
+                self.metrics.graph_requests.labels(model=state.model, outcome="ok").inc()
+            return
+        self._dispatch(run)
+
+    def _on_drop(self, item: WorkItem, error: StageError | None) -> None:
+        state = item.request
+        if error is None and state.expired() and not state.closed:
+            error = StageError("deadline_exceeded", "the request passed its deadline", status=504)
+        if error is not None and state.fail(error):
+            self.metrics.graph_requests.labels(model=state.model, outcome=error.code).inc()
+        elif state.cancelled:
+            self.metrics.graph_requests.labels(model=state.model, outcome="cancelled").inc()
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._runs.pop(request_id, None)

@@ -1,0 +1,48 @@
+"""Prometheus metrics for the runtime. One registry per engine; labels never carry a tenant or request id."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.queue_age = Histogram("mmserve_stage_queue_age_seconds", "Time a work item waited in a stage queue",
+                                   ["stage", "model"], buckets=_TIME_BUCKETS, registry=r)
+        self.run_time = Histogram("mmserve_stage_run_seconds", "Time of one batch (or one loop step) of a stage",
+                                  ["stage", "model"], buckets=_TIME_BUCKETS, registry=r)
+        self.batch_size = Histogram("mmserve_stage_batch_size", "Work items sharing one stage call",
+                                    ["stage", "model"], buckets=_BATCH_BUCKETS, registry=r)
+        self.queue_depth = Gauge("mmserve_stage_queue_depth", "Items waiting in a stage queue", ["stage", "model"], registry=r)
+        self.active = Gauge("mmserve_stage_active_items", "Items a stage is working on", ["stage", "model"], registry=r)
+        self.requests = Counter("mmserve_requests_total", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.graph_requests = Counter("mmserve_graph_requests_total", "Graph requests by model and outcome",
+                                      ["model", "outcome"], registry=r)
+        self.cache_hits = Counter("mmserve_cache_hits_total", "Cache hits", ["cache"], registry=r)
+        self.cache_misses = Counter("mmserve_cache_misses_total", "Cache misses", ["cache"], registry=r)
+        self.cache_bytes = Gauge("mmserve_cache_bytes", "Bytes held by a cache", ["cache"], registry=r)
+
+    def batch_size_samples(self, stage: str, model: str = "") -> dict[int, float]:
+        """Cumulative bucket counts of the batch-size histogram: {upper bound: count <= bound}."""
+        out: dict[int, float] = {}
+        for metric in self.batch_size.collect():
+            for s in metric.samples:
+                if s.name.endswith("_bucket") and s.labels["stage"] == stage and s.labels["model"] == model:
+                    le = s.labels["le"]
+                    if le != "+Inf":
+                        out[int(float(le))] = s.value
+        return out
+
+    def max_batch_size(self, stage: str, model: str = "") -> int:
+        """The largest batch size bucket that has seen a batch (for tests and benchmarks)."""
+        seen, prev = 0, 0.0
+        for bound, count in sorted(self.batch_size_samples(stage, model).items()):
+            if count > prev:
+                seen = bound
+            prev = count
+        return seen

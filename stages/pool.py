@@ -1,0 +1,266 @@
+"""StagePool: N worker threads running one stage, with a bounded queue and a batching window."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from stages.events import EventKind, StageError
+from stages.metrics import Metrics
+from stages.stage import LoopStage, Stage, WorkItem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    replicas: int = 1  # worker threads (one per device replica)
+    max_batch_size: int = 1  # items per stage call
+    max_delay_ms: float = 0.0  # how long a batch waits for company after its first item
+    max_queue: int = 64  # admission bound; a full entry queue answers 429
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+
+
+# Called by workers: on_done(item, outputs) when an item finished; on_drop(item, error|None)
+# when an item leaves without outputs (error, or None when its request was already stopped).
+DoneFn = Callable[[WorkItem, dict[str, Any]], None]
+DropFn = Callable[[WorkItem, StageError | None], None]
+
+
+class StagePool:
+    def __init__(self, name: str, stage: Stage, config: PoolConfig, metrics: Metrics, on_done: DoneFn, on_drop: DropFn):
+        self.name = name
+        self.stage = stage
+        self.config = config
+        self.metrics = metrics
+        self._on_done = on_done
+        self._on_drop = on_drop
+        self._queue: collections.deque[WorkItem] = collections.deque()
+        self._cond = threading.Condition()
+        self._active: dict[int, int] = {}  # worker index -> items in hand
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        labels = dict(stage=name, model=stage.model)
+        self._m_queue_age = metrics.queue_age.labels(**labels)
+        self._m_run = metrics.run_time.labels(**labels)
+        self._m_batch = metrics.batch_size.labels(**labels)
+        self._m_depth = metrics.queue_depth.labels(**labels)
+        self._m_active = metrics.active.labels(**labels)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        loop = isinstance(self.stage, LoopStage)
+        for i in range(self.config.replicas):
+            target = self._loop_worker if loop else self._batch_worker
+            t = threading.Thread(target=target, args=(i,), name=f"{self.name}-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout)
+
+    # -- admission ----------------------------------------------------------------------
+    def has_room(self) -> bool:
+        with self._cond:
+            return len(self._queue) < self.config.max_queue
+
+    def put(self, item: WorkItem) -> None:
+        """Enqueue without a bound: admitted requests always progress to their next node."""
+        item.enqueued_at = time.monotonic()
+        with self._cond:
+            self._queue.append(item)
+            self._m_depth.set(len(self._queue))
+            self._cond.notify_all()
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and not any(self._active.values())
+
+    def queue_len(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    # -- batch stages -------------------------------------------------------------------
+    def _take_batch(self, worker: int) -> list[WorkItem] | None:
+        """Block for a first item, then gather items with its batch key until full or the window closes."""
+        with self._cond:
+            while True:
+                self._purge_stopped()
+                if self._queue or self._stopping:
+                    break
+                self._cond.wait()
+            if self._stopping:
+                return None
+            first = self._queue.popleft()
+            key = self.stage.batch_key(first)
+            batch = [first]
+            window_end = time.monotonic() + self.config.max_delay_ms / 1000
+            while len(batch) < self.config.max_batch_size:
+                self._purge_stopped()
+                batch += self._pop_matching(key, self.config.max_batch_size - len(batch))
+                remaining = window_end - time.monotonic()
+                if len(batch) >= self.config.max_batch_size or remaining <= 0 or self._stopping:
+                    break
+                self._cond.wait(remaining)
+            self._active[worker] = len(batch)
+            self._m_depth.set(len(self._queue))
+            return batch
+
+    def _batch_worker(self, worker: int) -> None:
+        while (batch := self._take_batch(worker)) is not None:
+            now = time.monotonic()
+            for item in batch:
+                self._m_queue_age.observe(now - item.enqueued_at)
+                item.emit(EventKind.STAGE_STARTED)
+            self._m_active.inc(len(batch))
+            try:
+                started = time.perf_counter()
+                outputs = self.stage.run_batch(batch)
+                self._m_run.observe(time.perf_counter() - started)
+                self._m_batch.observe(len(batch))
+                for item, out in zip(batch, outputs, strict=True):
+                    self._finish(item, out)
+            except Exception as exc:  # one bad batch fails its items, not the worker
+                self._fail_all(batch, exc)
+            finally:
+                self._m_active.dec(len(batch))
+                with self._cond:
+                    self._active[worker] = 0
+                    self._cond.notify_all()
+
+    # -- loop stages --------------------------------------------------------------------
+    def _loop_worker(self, worker: int) -> None:
+        stage: LoopStage = self.stage  # type: ignore[assignment]
+        active: list[WorkItem] = []
+        turn: dict[Any, int] = {}  # batch key -> last step counter it ran at (round robin)
+        counter = 0
+        while True:
+            joining = self._admit_to_loop(worker, active)
+            if joining is None:
+                break
+            for item in joining:
+                self._m_queue_age.observe(time.monotonic() - item.enqueued_at)
+                item.emit(EventKind.STAGE_STARTED)
+                try:
+                    stage.start(item)
+                    active.append(item)
+                    self._m_active.inc()
+                except Exception as exc:
+                    self._fail_all([item], exc)
+            # Leave at a step boundary: cancelled, expired or closed requests.
+            for item in [i for i in active if i.request.should_stop()]:
+                active.remove(item)
+                self._m_active.dec()
+                self._drop(item, None)
+            if not active:
+                self._set_active(worker, 0)
+                continue
+            # Plan: the batch key that waited longest, then up to max_batch_size of its items.
+            groups: dict[Any, list[WorkItem]] = {}
+            for item in active:
+                groups.setdefault(stage.batch_key(item), []).append(item)
+            key = min(groups, key=lambda k: turn.get(k, -1))
+            batch = groups[key][: self.config.max_batch_size]
+            counter += 1
+            turn[key] = counter
+            # Run one step, then commit: finished items leave the loop.
+            try:
+                started = time.perf_counter()
+                stage.step(batch)
+                self._m_run.observe(time.perf_counter() - started)
+                self._m_batch.observe(len(batch))
+                for item in batch:
+                    item.steps_run += 1
+                finished = [i for i in batch if stage.is_done(i)]
+                for item in finished:
+                    active.remove(item)
+                    self._m_active.dec()
+                    self._finish(item, stage.finish(item))
+            except Exception as exc:
+                for item in batch:
+                    if item in active:
+                        active.remove(item)
+                        self._m_active.dec()
+                self._fail_all(batch, exc)
+            self._set_active(worker, len(active))
+        for item in active:
+            self._drop(item, StageError("shutting_down", "the server is shutting down", status=503))
+
+    def _admit_to_loop(self, worker: int, active: list[WorkItem]) -> list[WorkItem] | None:
+        """Take queued items into the loop. Blocks only when the loop has nothing to do."""
+        with self._cond:
+            while True:
+                self._purge_stopped()
+                if self._stopping:
+                    return None
+                if self._queue or active:
+                    break
+                self._cond.wait()
+            joining = []
+            while self._queue and len(active) + len(joining) < self._loop_capacity():
+                joining.append(self._queue.popleft())
+            self._active[worker] = len(active) + len(joining)
+            self._m_depth.set(len(self._queue))
+            return joining
+
+    def _loop_capacity(self) -> int:
+        # Items held in one loop: enough for a full batch of each of a few keys.
+        return max(self.config.max_batch_size * 4, 4)
+
+    # -- shared helpers -----------------------------------------------------------------
+    def _pop_matching(self, key, limit: int) -> list[WorkItem]:
+        taken = []
+        for item in list(self._queue):
+            if len(taken) >= limit:
+                break
+            if self.stage.batch_key(item) == key:
+                self._queue.remove(item)
+                taken.append(item)
+        return taken
+
+    def _purge_stopped(self) -> None:
+        """Drop queued items whose request was cancelled, expired or closed (caller holds the lock)."""
+        for item in [i for i in self._queue if i.request.should_stop()]:
+            self._queue.remove(item)
+            self._drop(item, None)
+
+    def _set_active(self, worker: int, n: int) -> None:
+        with self._cond:
+            self._active[worker] = n
+            self._cond.notify_all()
+
+    def _finish(self, item: WorkItem, outputs: dict[str, Any]) -> None:
+        item.release()
+        self._on_done(item, outputs)
+
+    def _drop(self, item: WorkItem, error: StageError | None) -> None:
+        item.release()
+        self._on_drop(item, error)
+
+    def _fail_all(self, items: list[WorkItem], exc: Exception) -> None:
+        if isinstance(exc, StageError):
+            error = exc
+        else:
+            log.exception("stage %s failed", self.name)
+            error = StageError("internal_error", f"stage {self.name} failed: {type(exc).__name__}: {exc}")
+        for item in items:
+            self._drop(item, error)

@@ -1,0 +1,178 @@
+"""Per-request bookkeeping owned by the executor, and the handle a caller holds."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, AsyncIterator, Iterator
+
+from stages.events import Event, EventKind, StageError
+
+
+class RequestState:
+    """Everything the runtime knows about one in-flight request.
+
+    The event buffer is written from worker threads and read from either a thread
+    (`iter_events`) or an asyncio loop (`aiter_events`); both read the same buffer.
+    """
+
+    def __init__(self, request_id: str, *, deadline: float | None, model: str = ""):
+        self.request_id = request_id
+        self.model = model  # metric label only
+        self.deadline = deadline  # time.monotonic() value, or None
+        self.created_at = time.monotonic()
+        self.generation = 0
+        self.outputs: dict[str, dict[str, Any]] = {}  # node name -> outputs, freed on close
+        self._events: list[Event] = []
+        self._closed = False
+        self._cancel_requested = threading.Event()
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._on_close: list = []  # callbacks run exactly once when the request closes
+
+    # -- state flags read by workers at batch/step boundaries --------------------------
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel_requested.is_set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (now or time.monotonic()) > self.deadline
+
+    def should_stop(self) -> bool:
+        """True when a worker must drop this request's work at the next boundary."""
+        return self._closed or self.cancelled or self.expired()
+
+    # -- writing ----------------------------------------------------------------------
+    def emit(self, kind: EventKind, *, stage: str | None = None, generation: int | None = None, **data) -> bool:
+        """Append an event. Dropped (returns False) once closed or if from an old generation."""
+        with self._cond:
+            gen = self.generation if generation is None else generation
+            if self._closed or gen != self.generation:
+                return False
+            event = Event(kind, self.request_id, gen, len(self._events), stage, data)
+            self._events.append(event)
+            if event.terminal:
+                self._closed = True
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, flag in waiters:
+            try:
+                loop.call_soon_threadsafe(flag.set)
+            except RuntimeError:  # the caller's loop has gone away
+                pass
+        if event.terminal:
+            self._run_close_callbacks()
+        return True
+
+    def fail(self, error: StageError) -> bool:
+        return self.emit(EventKind.ERROR, code=error.code, message=error.message, param=error.param, status=error.status)
+
+    def request_cancel(self) -> None:
+        self._cancel_requested.set()
+
+    def on_close(self, callback) -> None:
+        with self._cond:
+            if not self._closed:
+                self._on_close.append(callback)
+                return
+        callback()
+
+    def _run_close_callbacks(self) -> None:
+        with self._cond:
+            callbacks, self._on_close = self._on_close, []
+            self.outputs = {}
+        for callback in callbacks:
+            callback()
+
+    # -- reading ----------------------------------------------------------------------
+    def iter_events(self, timeout: float | None = None) -> Iterator[Event]:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._events):
+                    if self._closed:
+                        return
+                    if not self._cond.wait(timeout):
+                        raise TimeoutError(f"no event from request {self.request_id} within {timeout}s")
+                event = self._events[i]
+            i += 1
+            yield event
+            if event.terminal:
+                return
+
+    async def aiter_events(self) -> AsyncIterator[Event]:
+        loop = asyncio.get_running_loop()
+        flag = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, flag))
+        try:
+            i = 0
+            while True:
+                with self._cond:
+                    ready = self._events[i:]
+                    closed = self._closed
+                    flag.clear()
+                for event in ready:
+                    i += 1
+                    yield event
+                    if event.terminal:
+                        return
+                if closed and not ready:
+                    return
+                if not ready:
+                    await flag.wait()
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, flag))
+
+
+class RequestHandle:
+    """What `GraphExecutor.submit` returns: the ordered event stream, the result, cancel()."""
+
+    def __init__(self, state: RequestState, executor):
+        self._state = state
+        self._executor = executor
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def done(self) -> bool:
+        return self._state.closed
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        return self._state.iter_events(timeout)
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._state.aiter_events()
+
+    def cancel(self) -> None:
+        self._executor.cancel(self._state.request_id)
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the request ends; return the final outputs or raise its StageError."""
+        last = None
+        for last in self.events(timeout):
+            pass
+        return _outputs_of(last, self.request_id)
+
+    async def aresult(self) -> dict[str, Any]:
+        last = None
+        async for last in self:
+            pass
+        return _outputs_of(last, self.request_id)
+
+
+def _outputs_of(event: Event | None, request_id: str) -> dict[str, Any]:
+    if event is None:
+        raise StageError("internal_error", f"request {request_id} ended without a terminal event")
+    if event.kind is EventKind.ERROR:
+        d = event.data
+        raise StageError(d.get("code", "internal_error"), d.get("message", ""), param=d.get("param"), status=d.get("status", 500))
+    return event.data["outputs"]

@@ -1,0 +1,75 @@
+"""The Stage contract: what a pool needs to know to batch and run work items."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from stages.events import EventKind
+from stages.request import RequestState
+
+
+@dataclass
+class WorkItem:
+    """One request's invocation of one graph node. Per-request state lives here, never on the stage."""
+
+    request: RequestState  # owner: cancel flag, deadline, event stream
+    node: str  # graph node name (also the event's `stage` field)
+    inputs: dict[str, Any]  # request parameters plus the outputs of upstream nodes
+    generation: int  # request generation at dispatch; late events of older generations are dropped
+    state: dict[str, Any] = field(default_factory=dict)  # stage-private per-request state (latents, scheduler, ...)
+    enqueued_at: float = field(default_factory=time.monotonic)
+    steps_run: int = 0  # loop stages: steps this item took part in
+    released: bool = False  # set once its state was freed; release is idempotent
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def emit(self, kind: EventKind, **data) -> bool:
+        return self.request.emit(kind, stage=self.node, generation=self.generation, **data)
+
+    def release(self) -> None:
+        """Free per-request state exactly once (tensors, scheduler copies, cache references)."""
+        if not self.released:
+            self.released = True
+            self.state.clear()
+
+
+class Stage:
+    """A stage holds model components and no per-request state.
+
+    Items whose `batch_key` are equal may share one `run_batch` call.
+    """
+
+    kind: str = "stage"
+    model: str = ""  # metric label
+
+    def batch_key(self, item: WorkItem) -> Hashable:
+        return None
+
+    def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        """Run a batch; return one outputs dict per item, in order."""
+        raise NotImplementedError
+
+
+class LoopStage(Stage):
+    """A stage that advances its items one step at a time (the denoise loop).
+
+    Items join at a step boundary (`start`), share `step` calls with other items of the same
+    batch key, and leave at a step boundary when `is_done` (then `finish`) or when dropped.
+    """
+
+    def start(self, item: WorkItem) -> None:
+        """Prepare per-item state (stored on item.state) before its first step."""
+
+    def step(self, items: list[WorkItem]) -> None:
+        """Advance every item by one step (items may be at different positions)."""
+        raise NotImplementedError
+
+    def is_done(self, item: WorkItem) -> bool:
+        raise NotImplementedError
+
+    def finish(self, item: WorkItem) -> dict[str, Any]:
+        raise NotImplementedError
