@@ -37,9 +37,9 @@ class ImageFamily:
         self.path = path
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.prompt_cache = prompt_cache or EncoderCache(f"{name}/prompt", 0)
+        self.prompt_cache = prompt_cache if prompt_cache is not None else EncoderCache(f"{name}/prompt", 0)
         base_cls = self.pipeline_classes[Task.TEXT_TO_IMAGE]
-        base = base_cls.from_pretrained(path, torch_dtype=self.dtype, **self.load_kwargs)
+        base = base_cls.from_pretrained(path, dtype=self.dtype, **self.load_kwargs)
         base.set_progress_bar_config(disable=True)
         base.to(self.device)
         # The variants share the same module objects: no extra weights in memory.
