@@ -1,0 +1,210 @@
+"""Image codecs that run inside media worker processes.
+
+Pure functions with picklable arguments and results, so `stages.media_pool` can run them in
+a child process: codecs are attack surface, and a crash or stall there must not reach the
+API process. Imports only the stdlib, numpy and PIL (never torch), which keeps a worker's
+start-up cheap and its address space small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+ERROR_CODES = frozenset({
+    "media_bytes", "media_pixels", "media_frames", "media_duration", "media_format",
+    "media_corrupt", "media_fetch", "media_timeout", "media_worker",
+})
+
+# Our lower-case names -> PIL's format names.
+_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP", "gif": "GIF", "bmp": "BMP", "tiff": "TIFF"}
+_FROM_PIL = {v: k for k, v in _PIL_FORMATS.items()}
+_ENCODE_FORMATS = ("png", "jpeg", "webp")
+_DECODE_MODES = ("RGB", "L", "RGBA")
+
+# What a malformed file makes PIL raise while it parses headers or pixels.
+_CORRUPT_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError, KeyError, TypeError)
+
+
+class MediaError(Exception):
+    """A media input or task rejected or failed; `code` is stable, `message` says what to change."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        assert code in ERROR_CODES, code
+        super().__init__(code, message, param)
+        self.code = code  # one of ERROR_CODES; mapped to an HTTP error by the serving layer
+        self.message = message  # names the limit and the value that broke it
+        self.param = param  # request field at fault, when known
+
+    def __reduce__(self):
+        # Crosses the worker pipe: rebuild from the three fields, not from Exception.args magic.
+        return (MediaError, (self.code, self.message, self.param))
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+@dataclass(frozen=True)
+class ImageDecodeLimits:
+    max_bytes: int = 20 * 1024 * 1024  # encoded size, checked before anything is parsed
+    max_pixels: int = 4096 * 4096  # width * height declared by the header, checked before decoding
+    max_frames: int = 1000  # frames in an animated file (only the first is decoded)
+    formats: tuple[str, ...] = ("png", "jpeg", "webp", "gif", "bmp", "tiff")  # accepted containers
+
+    def __post_init__(self):
+        unknown = [f for f in self.formats if f not in _PIL_FORMATS]
+        if unknown:
+            raise ValueError(f"ImageDecodeLimits.formats has unknown {unknown}; known: {sorted(_PIL_FORMATS)}")
+
+
+@dataclass
+class DecodedImage:
+    pixels: np.ndarray  # uint8 [H, W, C]; C = 3 (RGB), 1 (L) or 4 (RGBA)
+    width: int  # after EXIF orientation
+    height: int  # after EXIF orientation
+    format: str  # container it came in: "png", "jpeg", ...
+    content_hash: str  # sha256 of the bytes and the decode config: identity for caches
+
+    def __post_init__(self):
+        # Read-only: a decoded image may be shared by every request whose input has this hash.
+        self.pixels.flags.writeable = False
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickling (coming back from a worker) skips __post_init__ and yields a writeable copy.
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    def to_pil(self) -> Image.Image:
+        """The pixels as a PIL image ("RGB", "L" or "RGBA"); it may share memory with `pixels`."""
+        if self.pixels.shape[2] == 1:
+            return Image.fromarray(self.pixels[:, :, 0])  # [H, W] -> mode "L"
+        return Image.fromarray(self.pixels)
+
+
+def encode_image(pixels: np.ndarray, fmt: str, quality: int | None = None) -> bytes:
+    """Encode uint8 [H, W, 3] (or [H, W] / [H, W, 1] grey) pixels as png, jpeg or webp."""
+    fmt = fmt.lower()
+    fmt = "jpeg" if fmt == "jpg" else fmt
+    if fmt not in _ENCODE_FORMATS:
+        raise MediaError("media_format", f"cannot encode images as {fmt!r}; supported: {list(_ENCODE_FORMATS)}",
+                         param="output_format")
+    if pixels.dtype != np.uint8 or pixels.ndim not in (2, 3) or (pixels.ndim == 3 and pixels.shape[2] not in (1, 3)):
+        raise ValueError(f"encode_image wants uint8 [H, W, 3] or [H, W] pixels, got {pixels.dtype} {pixels.shape}")
+    if quality is not None and not 1 <= quality <= 100:
+        raise ValueError(f"quality must be in 1..100, got {quality}")
+    if pixels.ndim == 3 and pixels.shape[2] == 1:
+        pixels = pixels[:, :, 0]
+    img = Image.fromarray(np.ascontiguousarray(pixels))
+    out = io.BytesIO()
+    if fmt == "png":
+        img.save(out, format="PNG", compress_level=6)  # lossless; quality does not apply
+    else:
+        img.save(out, format=_PIL_FORMATS[fmt], quality=90 if quality is None else quality)
+    return out.getvalue()
+
+
+def decode_image(data: bytes, limits: ImageDecodeLimits = ImageDecodeLimits(), mode: str = "RGB") -> DecodedImage:
+    """Decode the first frame of an image, checking every limit before pixels are allocated.
+
+    EXIF orientation is applied, so width/height are as a viewer shows them. `mode="L"` keeps
+    one grey channel (masks).
+    """
+    if mode not in _DECODE_MODES:
+        raise ValueError(f"decode_image mode must be one of {_DECODE_MODES}, got {mode!r}")
+    if len(data) > limits.max_bytes:
+        raise MediaError("media_bytes", f"image is {len(data)} bytes; the limit is {limits.max_bytes} bytes")
+    try:
+        # Image.open reads headers only; PIL raises DecompressionBombError here for absurd sizes.
+        img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise MediaError("media_pixels", f"image header declares too many pixels ({e}); the limit is "
+                                         f"{limits.max_pixels} pixels") from None
+    except UnidentifiedImageError:
+        raise MediaError("media_corrupt", f"{len(data)} bytes are not a recognisable image") from None
+    except _CORRUPT_ERRORS as e:
+        raise MediaError("media_corrupt", f"image header is malformed: {e}") from None
+    with img:
+        fmt = _FROM_PIL.get(img.format or "")
+        if fmt not in limits.formats:
+            raise MediaError("media_format", f"image format {img.format} is not accepted; accepted: "
+                                             f"{list(limits.formats)}")
+        width, height = img.size
+        if width * height > limits.max_pixels:
+            raise MediaError("media_pixels", f"image is {width}x{height} = {width * height} pixels; "
+                                             f"the limit is {limits.max_pixels} pixels")
+        return _decode_checked(img, data, fmt, limits, mode)
+
+
+def _decode_checked(img: Image.Image, data: bytes, fmt: str, limits: ImageDecodeLimits, mode: str) -> DecodedImage:
+    try:
+        # GIF counts frames by skipping their data blocks (nothing decoded); others read a header.
+        frames = getattr(img, "n_frames", 1)
+        if frames > limits.max_frames:
+            raise MediaError("media_frames", f"image has {frames} frames; the limit is {limits.max_frames}")
+        img.seek(0)
+        img.load()
+        img = ImageOps.exif_transpose(img)  # a phone's portrait JPEG is stored landscape + tag 6
+        if img.mode != mode:
+            # Palette or grey+alpha images go through RGBA so transparency is resolved, not dropped oddly.
+            if mode != "RGBA" and ("transparency" in img.info or img.mode in ("LA", "PA")):
+                img = img.convert("RGBA")
+            img = img.convert(mode)
+        pixels = np.asarray(img, dtype=np.uint8)
+    except _CORRUPT_ERRORS as e:
+        raise MediaError("media_corrupt", f"{fmt} image data is truncated or malformed: {e}") from None
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]  # keep [H, W, C] for every mode
+    h = hashlib.sha256(data)
+    h.update(f"|decode_image:mode={mode};exif_transpose=1".encode())
+    return DecodedImage(pixels=pixels, width=pixels.shape[1], height=pixels.shape[0], format=fmt,
+                        content_hash=h.hexdigest())
+
+
+# Harmless functions that let tests exercise worker isolation for real (crash, hang, CPU, memory).
+
+def _test_echo(value: object) -> tuple[int, object]:
+    """Returns (worker pid, value): shows the call crossed into a worker and which one."""
+    return os.getpid(), value
+
+
+def _test_sleep(seconds: float) -> tuple[int, float, float]:
+    """Sleeps; returns (pid, start, end) wall times so tests can measure concurrency."""
+    start = time.time()
+    time.sleep(seconds)
+    return os.getpid(), start, time.time()
+
+
+def _test_crash(how: str = "exit") -> None:
+    """Dies without reporting: os._exit ("exit") or a segmentation fault signal ("segv")."""
+    if how == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    os._exit(3)
+
+
+def _test_burn_cpu(seconds: float) -> float:
+    """Busy-loops until `seconds` of CPU time are used; returns the CPU time used."""
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+    return time.process_time() - start
+
+
+def _test_allocate(mb: int) -> int:
+    """Allocates and touches `mb` MiB; returns the size."""
+    block = np.ones(mb * 1024 * 1024, dtype=np.uint8)
+    return int(block.size)
+
+
+# What a worker agrees to run, by name: the API process can ask for nothing else.
+WORKER_FUNCTIONS = frozenset({
+    "encode_image", "decode_image",
+    "_test_echo", "_test_sleep", "_test_crash", "_test_burn_cpu", "_test_allocate",
+})
