@@ -1,0 +1,235 @@
+"""FLUX.1: MMDiT transformer on packed latents + CLIP (pooled) + T5 (sequence) + AutoencoderKL.
+
+Mirrors diffusers' FluxPipeline / FluxImg2ImgPipeline / FluxInpaintPipeline step by step. FLUX.1
+has no classic CFG batch: guidance_scale is an *input* of guidance-distilled transformers (a
+per-sample tensor), so requests with different guidance scales still share one forward. The
+pipelines' optional "true CFG" (request.extra['true_cfg_scale'] > 1 with a negative prompt) runs
+the negative prompt as extra samples of the same forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import numpy as np
+import torch
+from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+from pipelines.families.base import ImageFamily
+from pipelines.request import ImageRequest, RequestError, Task
+from stages.stage import WorkItem
+
+MAX_SEQUENCE_LENGTH = 512  # the pipelines' default and their upper limit
+
+
+class FluxFamily(ImageFamily):
+    family = "flux"
+    class_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
+    pipeline_classes = {
+        Task.TEXT_TO_IMAGE: FluxPipeline,
+        Task.IMAGE_TO_IMAGE: FluxImg2ImgPipeline,
+        Task.INPAINTING: FluxInpaintPipeline,
+    }
+    default_steps = 28  # FluxPipeline.__call__ num_inference_steps
+    default_guidance = 3.5  # the embedded (distilled) guidance, not CFG
+
+    @property
+    def default_size(self) -> int:
+        return self.pipe.default_sample_size * self.vae_scale_factor
+
+    @property
+    def size_factor(self) -> int:
+        return self.vae_scale_factor * 2  # latents are packed in 2x2 patches
+
+    # -- request knobs (request.extra) --------------------------------------------------------
+    @staticmethod
+    def max_sequence_length(request: ImageRequest) -> int:
+        return int(request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
+
+    @staticmethod
+    def true_cfg_scale(request: ImageRequest) -> float:
+        return float(request.extra.get("true_cfg_scale", 1.0))
+
+    def validate(self, request: ImageRequest, limits) -> ImageRequest:
+        request = super().validate(request, limits)
+        msl = request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
+        if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= MAX_SEQUENCE_LENGTH:
+            raise RequestError("max_sequence_length",
+                               f"max_sequence_length must be an integer between 1 and {MAX_SEQUENCE_LENGTH}; got {msl!r}")
+        cfg = request.extra.get("true_cfg_scale", 1.0)
+        if isinstance(cfg, bool) or not isinstance(cfg, (int, float)) or not 0.0 <= cfg <= limits.max_guidance:
+            raise RequestError("true_cfg_scale", f"true_cfg_scale must be between 0 and {limits.max_guidance}; got {cfg!r}")
+        return request
+
+    def uses_negative(self, request: ImageRequest) -> bool:
+        # diffusers: do_true_cfg = true_cfg_scale > 1 and negative_prompt is not None
+        return self.true_cfg_scale(request) > 1.0 and request.negative_prompt is not None
+
+    # -- 1. text ----------------------------------------------------------------------------
+    def text_key(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Hashable:
+        clip, t5 = self.pipe.tokenizer, self.pipe.tokenizer_2
+        clip_ids = clip(text, padding="max_length", max_length=self.pipe.tokenizer_max_length, truncation=True).input_ids
+        t5_ids = t5(text, padding="max_length", max_length=max_sequence_length, truncation=True).input_ids
+        return (tuple(clip_ids), tuple(t5_ids))
+
+    def encode_text(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
+        embeds, pooled, _ = self.pipe.encode_prompt(text, text, self.device, 1,
+                                                    max_sequence_length=max_sequence_length)
+        return {"embeds": embeds, "pooled": pooled}  # T5 [1, L, D], CLIP pooled [1, P]
+
+    def cached_text(self, text: str, tenant: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
+        # The T5 sequence is padded to max_sequence_length and read without a mask: the length is
+        # part of the identity (it is in the T5 token ids of text_key).
+        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, max_sequence_length))
+        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text, max_sequence_length))
+
+    @torch.inference_mode()
+    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        out = []
+        for item in items:
+            req: ImageRequest = item.inputs["request"]
+            msl = self.max_sequence_length(req)
+            prompt = self.cached_text(req.prompt, req.tenant, msl)
+            negative = self.cached_text(req.negative_prompt, req.tenant, msl) if self.uses_negative(req) else None
+            out.append({"cond": self.conditioning(prompt, negative, req)})
+        return out
+
+    def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
+        n = request.n
+        # As encode_prompt's num_images_per_prompt repeat (batch 1: repeat(n, ...) is the same layout).
+        embeds = prompt["embeds"].repeat(n, 1, 1)
+        pooled = prompt["pooled"].repeat(n, 1)
+        if negative is not None:  # [negative x n, prompt x n]: base.guide's (uncond, cond) order
+            embeds = torch.cat([negative["embeds"].repeat(n, 1, 1), embeds])
+            pooled = torch.cat([negative["pooled"].repeat(n, 1), pooled])
+        te = self.pipe.text_encoder
+        dtype = te.dtype if te is not None else self.pipe.transformer.dtype
+        text_ids = torch.zeros(embeds.shape[1], 3).to(device=self.device, dtype=dtype)  # as encode_prompt
+        return {"embeds": embeds, "pooled": pooled, "text_ids": text_ids, "cfg": negative is not None}
+
+    # -- 2. prepare ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare(self, item: WorkItem) -> None:
+        req: ImageRequest = item.inputs["request"]
+        cond = item.inputs["cond"]
+        scheduler = self.new_scheduler()
+        view = self.view(req.task, scheduler)
+        generator = self.generator(req.seed)
+        dtype = cond["embeds"].dtype
+        channels = view.transformer.config.in_channels // 4
+        h, w = req.height, req.width
+        state: dict[str, Any] = {"scheduler": scheduler, "decode_extras": {"height": h, "width": w}}
+
+        # 2.1 latents of text-to-image come before the timesteps (the pipeline's order)
+        if req.task is Task.TEXT_TO_IMAGE:
+            latents, image_ids = view.prepare_latents(req.n, channels, h, w, dtype, self.device, generator)
+
+        # 2.2 timesteps: flow-matching sigmas, shifted by mu from the image's token count
+        steps = req.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if req.task is Task.TEXT_TO_IMAGE and getattr(scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        image_seq_len = (int(h) // view.vae_scale_factor // 2) * (int(w) // view.vae_scale_factor // 2)
+        mu = calculate_shift(
+            image_seq_len,
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        timesteps, steps = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        if req.task is Task.TEXT_TO_IMAGE:
+            scheduler.set_begin_index(0)
+        else:
+            timesteps, steps = view.get_timesteps(steps, req.strength, self.device)
+            if steps < 1:
+                raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
+            latent_timestep = timesteps[:1].repeat(req.n)
+
+        # 2.3 latents of the edits: the input image noised to the first timestep
+        if req.task is Task.IMAGE_TO_IMAGE:
+            image = view.image_processor.preprocess(req.image, height=h, width=w).to(dtype=torch.float32)
+            with self._vae_lock:
+                latents, image_ids = view.prepare_latents(image, latent_timestep, req.n, channels, h, w, dtype,
+                                                          self.device, generator)
+        elif req.task is Task.INPAINTING:
+            init_image = view.image_processor.preprocess(req.image, height=h, width=w).to(dtype=torch.float32)
+            with self._vae_lock:
+                latents, noise, image_latents, image_ids = view.prepare_latents(
+                    init_image, latent_timestep, req.n, channels, h, w, dtype, self.device, generator)
+            mask_condition = view.mask_processor.preprocess(req.mask, height=h, width=w)
+            # The 64-channel transformer never reads masked_image_latents (the pipeline encodes the
+            # masked image and drops it, after the last draw from the generator): hand the helper
+            # a latent-shaped placeholder so it only builds the packed mask.
+            lh, lw = 2 * (int(h) // (view.vae_scale_factor * 2)), 2 * (int(w) // (view.vae_scale_factor * 2))
+            placeholder = torch.zeros(1, 16, lh, lw)
+            mask, _ = view.prepare_mask_latents(mask_condition, placeholder, 1, channels, req.n, h, w, dtype,
+                                                self.device, generator)
+            state.update(mask=mask, noise=noise, image_latents=image_latents)
+
+        # 2.4 the embedded guidance of guidance-distilled transformers: one value per sample
+        state["guidance"] = None
+        if view.transformer.config.guidance_embeds:
+            rows = latents.shape[0] * (2 if cond["cfg"] else 1)
+            state["guidance"] = torch.full([1], req.guidance_scale, device=self.device, dtype=torch.float32).expand(rows)
+        state.update(timesteps=timesteps, total=len(timesteps), latents=latents, image_ids=image_ids)
+        item.state.update(state)
+
+    # -- 3. denoise ------------------------------------------------------------------------
+    def denoise_key(self, item: WorkItem) -> Hashable:
+        s, cond = item.state, item.inputs["cond"]
+        extras = s["decode_extras"]
+        # img_ids depend on the latent grid (not only on the token count); txt_ids on the T5 length.
+        grid = (extras["height"] // self.size_factor, extras["width"] // self.size_factor)
+        return (grid, tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
+                tuple(cond["pooled"].shape[1:]), s["guidance"] is not None)
+
+    @torch.inference_mode()
+    def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
+        hidden, timesteps, guidance, embeds, pooled, sizes = [], [], [], [], [], []
+        for item in items:
+            s, cond = item.state, item.inputs["cond"]
+            t = s["timesteps"][s["i"]]
+            x = torch.cat([s["latents"]] * 2) if cond["cfg"] else s["latents"]
+            hidden.append(x)
+            timesteps.append(t.expand(x.shape[0]).to(x.dtype))  # per-sample: items sit at different steps
+            guidance.append(s["guidance"])
+            embeds.append(cond["embeds"])
+            pooled.append(cond["pooled"])
+            sizes.append(x.shape[0])
+        first = items[0]
+        out = self.pipe.transformer(
+            hidden_states=torch.cat(hidden),
+            timestep=torch.cat(timesteps) / 1000,
+            guidance=torch.cat(guidance) if guidance[0] is not None else None,
+            pooled_projections=torch.cat(pooled),
+            encoder_hidden_states=torch.cat(embeds),
+            txt_ids=first.inputs["cond"]["text_ids"],  # 2-D, equal for all items of one key
+            img_ids=first.state["image_ids"],
+            return_dict=False,
+        )[0]
+        return self.split(out, sizes)
+
+    @torch.inference_mode()
+    def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
+        s, req = item.state, item.inputs["request"]
+        i, timesteps = s["i"], s["timesteps"]
+        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], self.true_cfg_scale(req))
+        latents = s["scheduler"].step(noise_pred, timesteps[i], s["latents"], return_dict=False)[0]
+        if "mask" in s:
+            # Inpainting: keep the unmasked area on the input image's noise path.
+            proper = s["image_latents"]
+            if i < len(timesteps) - 1:
+                proper = s["scheduler"].scale_noise(proper, torch.tensor([timesteps[i + 1]]), s["noise"])
+            latents = (1 - s["mask"]) * proper + s["mask"] * latents
+        s["latents"] = latents
+        s["i"] = i + 1
+
+    # -- 4. decode ---------------------------------------------------------------------------
+    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
+        pipe, vae = self.pipe, self.pipe.vae
+        latents = pipe._unpack_latents(latents, extras["height"], extras["width"], pipe.vae_scale_factor)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return self.postprocess(image)
