@@ -1,0 +1,243 @@
+"""Stable Diffusion 3 / 3.5: MMDiT transformer + two CLIPs (with projection) + optional T5 + flow matching."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import numpy as np
+import torch
+from diffusers import (StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline,
+                       StableDiffusion3Pipeline)
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
+
+from pipelines.families.base import ImageFamily
+from pipelines.request import ImageRequest, RequestError, Task
+from stages.stage import WorkItem
+
+MAX_SEQUENCE_LENGTH = 256  # diffusers' default length of the T5 part of the joint-attention text
+MAX_SEQUENCE_LENGTH_LIMIT = 512  # diffusers' check_inputs refuses more
+
+
+class StableDiffusion3Family(ImageFamily):
+    family = "sd3"
+    class_names = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
+    pipeline_classes = {
+        Task.TEXT_TO_IMAGE: StableDiffusion3Pipeline,
+        Task.IMAGE_TO_IMAGE: StableDiffusion3Img2ImgPipeline,
+        Task.INPAINTING: StableDiffusion3InpaintPipeline,
+    }
+    default_steps = 28  # StableDiffusion3Pipeline.__call__ defaults
+    default_guidance = 7.0
+    # diffusers' SD3 inpainting pipeline decodes `latents / scaling_factor` without adding the VAE's
+    # shift_factor (text-to-image and image-to-image add it). We mirror that to equal its output.
+    inpaint_decode_shift = False
+
+    def __init__(self, name: str, path: str, **kwargs):
+        # Checkpoints without T5 (SD3 "no T5" variants, the demo checkpoint) list text_encoder_3 /
+        # tokenizer_3 as [null, null]; from_pretrained then wants them passed explicitly as None.
+        self.load_kwargs = {**type(self).load_kwargs, **self._absent_components(path)}
+        super().__init__(name, path, **kwargs)
+
+    @staticmethod
+    def _absent_components(path: str) -> dict[str, None]:
+        from pipelines.registry import _read_index
+
+        index, _ = _read_index(path)
+        if index is None:
+            return {}
+        return {c: None for c in ("text_encoder_3", "tokenizer_3")
+                if c in index and (index[c] is None or list(index[c]) == [None, None])}
+
+    @property
+    def default_size(self) -> int:
+        return self.pipe.default_sample_size * self.vae_scale_factor
+
+    @property
+    def size_factor(self) -> int:
+        # The latents are cut into patch_size x patch_size tokens (check_inputs demands this multiple).
+        return self.vae_scale_factor * self.pipe.patch_size
+
+    def validate(self, request: ImageRequest, limits) -> ImageRequest:
+        request = super().validate(request, limits)
+        msl = request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
+        if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= MAX_SEQUENCE_LENGTH_LIMIT:
+            raise RequestError("max_sequence_length",
+                               f"max_sequence_length must be an integer between 1 and {MAX_SEQUENCE_LENGTH_LIMIT}; got {msl!r}")
+        return request
+
+    @staticmethod
+    def max_sequence_length(request: ImageRequest) -> int:
+        return request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
+
+    # -- 1. text ----------------------------------------------------------------------------
+    # The cache holds, per prompt text (batch size 1): both CLIPs' penultimate hidden states side by
+    # side (not yet padded), both pooled projections side by side, and T5's embeddings when the
+    # checkpoint has T5. Without T5 the pipeline uses zeros, built in conditioning() (not cached).
+    def text_key(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Hashable:
+        pipe = self.pipe
+        key: tuple = tuple(
+            tuple(tok(text, padding="max_length", max_length=pipe.tokenizer_max_length, truncation=True).input_ids)
+            for tok in (pipe.tokenizer, pipe.tokenizer_2))
+        if pipe.text_encoder_3 is not None:
+            key += (tuple(pipe.tokenizer_3(text, padding="max_length", max_length=max_sequence_length, truncation=True,
+                                           add_special_tokens=True).input_ids),)
+        return key
+
+    def encode_text(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
+        pipe = self.pipe
+        # clip_skip None: the pipeline's default for the prompt and what it always uses for negatives.
+        embeds_1, pooled_1 = pipe._get_clip_prompt_embeds(text, 1, self.device, clip_skip=None, clip_model_index=0)
+        embeds_2, pooled_2 = pipe._get_clip_prompt_embeds(text, 1, self.device, clip_skip=None, clip_model_index=1)
+        out = {"clip": torch.cat([embeds_1, embeds_2], dim=-1),  # [1, 77, D1 + D2]
+               "pooled": torch.cat([pooled_1, pooled_2], dim=-1)}  # [1, P1 + P2]
+        if pipe.text_encoder_3 is not None:
+            out["t5"] = pipe._get_t5_prompt_embeds(text, 1, max_sequence_length, self.device)  # [1, L, J]
+        return out
+
+    def cached_text(self, text: str, tenant: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
+        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, max_sequence_length))
+        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text, max_sequence_length))
+
+    @torch.inference_mode()
+    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        out = []
+        for item in items:
+            req: ImageRequest = item.inputs["request"]
+            msl = self.max_sequence_length(req)
+            prompt = self.cached_text(req.prompt, req.tenant, msl)
+            # encode_prompt: `negative_prompt or ""` whenever guidance is on.
+            negative = self.cached_text(req.negative_prompt or "", req.tenant, msl) if self.uses_negative(req) else None
+            out.append({"cond": self.conditioning(prompt, negative, req)})
+        return out
+
+    def _joint_text(self, enc: dict[str, torch.Tensor], max_sequence_length: int) -> torch.Tensor:
+        """encode_prompt's joint-attention text: CLIP zero-padded to T5's width, then T5 (or zeros) after it."""
+        t5 = enc.get("t5")
+        if t5 is None:  # _get_t5_prompt_embeds without text_encoder_3
+            t5 = torch.zeros((1, max_sequence_length, self.pipe.transformer.config.joint_attention_dim),
+                             device=self.device, dtype=self.pipe.text_encoder.dtype)
+        clip = torch.nn.functional.pad(enc["clip"], (0, t5.shape[-1] - enc["clip"].shape[-1]))
+        return torch.cat([clip, t5], dim=-2)
+
+    def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
+        n, msl = request.n, self.max_sequence_length(request)
+        embeds = self._joint_text(prompt, msl).repeat(n, 1, 1)  # as num_images_per_prompt repeats
+        pooled = prompt["pooled"].repeat(n, 1)
+        if negative is not None:
+            embeds = torch.cat([self._joint_text(negative, msl).repeat(n, 1, 1), embeds])  # [uncond x n, cond x n]
+            pooled = torch.cat([negative["pooled"].repeat(n, 1), pooled])
+        return {"embeds": embeds, "pooled": pooled, "cfg": negative is not None}
+
+    # -- 2. prepare ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare(self, item: WorkItem) -> None:
+        req: ImageRequest = item.inputs["request"]
+        cond = item.inputs["cond"]
+        scheduler = self.new_scheduler()
+        view = self.view(req.task, scheduler)
+        generator = self.generator(req.seed)
+        dtype = cond["embeds"].dtype
+        transformer_channels = view.transformer.config.in_channels
+
+        # 2.1 timesteps: dynamic shifting (SD3.5-style configs) takes mu from the image token count
+        scheduler_kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", None):
+            patch = view.transformer.config.patch_size
+            image_seq_len = (req.height // view.vae_scale_factor // patch) * (req.width // view.vae_scale_factor // patch)
+            scheduler_kwargs["mu"] = calculate_shift(
+                image_seq_len,
+                scheduler.config.get("base_image_seq_len", 256),
+                scheduler.config.get("max_image_seq_len", 4096),
+                scheduler.config.get("base_shift", 0.5),
+                scheduler.config.get("max_shift", 1.16),
+            )
+        timesteps, steps = retrieve_timesteps(scheduler, req.num_inference_steps, self.device, **scheduler_kwargs)
+        if req.task is not Task.TEXT_TO_IMAGE:
+            timesteps, steps = view.get_timesteps(steps, req.strength, self.device)  # sets the begin index
+            if steps < 1:
+                raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
+        latent_timestep = timesteps[:1].repeat(req.n)
+        state: dict[str, Any] = {"scheduler": scheduler, "timesteps": timesteps, "total": len(timesteps),
+                                 "decode_extras": {}}
+
+        # 2.2 latents (the VAE encodes draw from the generator: same order as the pipelines)
+        if req.task is Task.TEXT_TO_IMAGE:
+            latents = view.prepare_latents(req.n, transformer_channels, req.height, req.width, dtype, self.device,
+                                           generator)
+        elif req.task is Task.IMAGE_TO_IMAGE:
+            image = view.image_processor.preprocess(req.image, height=req.height, width=req.width)
+            with self._vae_lock:
+                latents = view.prepare_latents(image, latent_timestep, 1, req.n, dtype, self.device, generator)
+        else:
+            init_image = view.image_processor.preprocess(req.image, height=req.height, width=req.width).to(torch.float32)
+            with self._vae_lock:
+                latents, noise, *image_latents = view.prepare_latents(
+                    req.n, view.vae.config.latent_channels, req.height, req.width, dtype, self.device, generator,
+                    image=init_image, timestep=latent_timestep, is_strength_max=req.strength == 1.0,
+                    return_noise=True, return_image_latents=transformer_channels == 16)
+                mask_condition = view.mask_processor.preprocess(req.mask, height=req.height, width=req.width)
+                masked_image = init_image * (mask_condition < 0.5)
+                mask, masked_image_latents = view.prepare_mask_latents(
+                    mask_condition, masked_image, 1, req.n, req.height, req.width, dtype, self.device, generator,
+                    cond["cfg"])
+            state.update(mask=mask, masked_image_latents=masked_image_latents, noise=noise,
+                         image_latents=image_latents[0] if image_latents else None)
+            if not self.inpaint_decode_shift:
+                state["decode_extras"] = {"shift": False}
+        state["latents"] = latents
+        item.state.update(state)
+
+    # -- 3. denoise ------------------------------------------------------------------------
+    def _concat_mask(self, item: WorkItem) -> bool:
+        """Inpainting transformers (33 input channels) see the mask and the masked image's latents."""
+        return "mask" in item.state and self.pipe.transformer.config.in_channels == 33
+
+    def denoise_key(self, item: WorkItem) -> Hashable:
+        # CFG on/off need not match: each item contributes its own rows and gets them back.
+        s, cond = item.state, item.inputs["cond"]
+        return (tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
+                tuple(cond["pooled"].shape[1:]), self._concat_mask(item))
+
+    @torch.inference_mode()
+    def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
+        inputs, timesteps, embeds, pooled = [], [], [], []
+        for item in items:
+            s, cond = item.state, item.inputs["cond"]
+            t = s["timesteps"][s["i"]]
+            x = torch.cat([s["latents"]] * 2) if cond["cfg"] else s["latents"]
+            if self._concat_mask(item):
+                x = torch.cat([x, s["mask"], s["masked_image_latents"]], dim=1)
+            inputs.append(x)
+            timesteps.append(t.expand(x.shape[0]))  # per-sample timesteps: items sit at different steps
+            embeds.append(cond["embeds"])
+            pooled.append(cond["pooled"])
+        out = self.pipe.transformer(
+            hidden_states=torch.cat(inputs), timestep=torch.cat(timesteps), encoder_hidden_states=torch.cat(embeds),
+            pooled_projections=torch.cat(pooled), return_dict=False)[0]
+        return self.split(out, [x.shape[0] for x in inputs])
+
+    @torch.inference_mode()
+    def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
+        s, req = item.state, item.inputs["request"]
+        i, timesteps, scheduler = s["i"], s["timesteps"], s["scheduler"]
+        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], req.guidance_scale)
+        latents = scheduler.step(noise_pred, timesteps[i], s["latents"], return_dict=False)[0]
+        if s.get("image_latents") is not None:
+            # Inpainting with a plain (16-channel) transformer: keep the unmasked area on the input
+            # image's noise path (scale_noise reads the scheduler's current step index).
+            init_mask = s["mask"].chunk(2)[0] if item.inputs["cond"]["cfg"] else s["mask"]
+            proper = s["image_latents"]
+            if i < len(timesteps) - 1:
+                proper = scheduler.scale_noise(proper, torch.tensor([timesteps[i + 1]]), s["noise"])
+            latents = (1 - init_mask) * proper + init_mask * latents
+        s["latents"] = latents
+        s["i"] = i + 1
+
+    # -- 4. decode ---------------------------------------------------------------------------
+    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
+        vae = self.pipe.vae
+        latents = latents / vae.config.scaling_factor
+        if extras.get("shift", True):
+            latents = latents + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return self.postprocess(image)

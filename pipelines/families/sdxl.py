@@ -1,0 +1,261 @@
+"""Stable Diffusion XL: UNet with added (pooled text + micro-conditioning) embeddings, two CLIP
+text encoders, AutoencoderKL.
+
+Mirrors StableDiffusionXLPipeline / StableDiffusionXLImg2ImgPipeline / StableDiffusionXLInpaintPipeline
+(diffusers 0.42) step for step, with the denoise loop in stages/diffusion.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Hashable
+
+import numpy as np
+import torch
+from diffusers import (StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline,
+                       StableDiffusionXLPipeline)
+from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import retrieve_timesteps
+
+from pipelines.families.base import ImageFamily
+from pipelines.request import ImageRequest, RequestError, Task
+from stages.stage import WorkItem
+
+# Micro-conditioning defaults of the diffusers SDXL pipelines (__call__ arguments).
+CROPS_COORDS_TOP_LEFT = (0, 0)
+AESTHETIC_SCORE = 6.0  # img2img / inpaint, only when the pipeline config requires_aesthetics_score
+NEGATIVE_AESTHETIC_SCORE = 2.5
+INPAINT_DEFAULT_GUIDANCE = 7.5  # StableDiffusionXLInpaintPipeline's default; the other two use 5.0
+
+
+class StableDiffusionXLFamily(ImageFamily):
+    family = "sdxl"
+    class_names = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline")
+    pipeline_classes = {
+        Task.TEXT_TO_IMAGE: StableDiffusionXLPipeline,
+        Task.IMAGE_TO_IMAGE: StableDiffusionXLImg2ImgPipeline,
+        Task.INPAINTING: StableDiffusionXLInpaintPipeline,
+    }
+    default_steps = 50
+    default_guidance = 5.0  # text-to-image and image-to-image; inpainting: 7.5 (see validate)
+
+    @property
+    def default_size(self) -> int:
+        return self.pipe.default_sample_size * self.vae_scale_factor
+
+    @property
+    def size_factor(self) -> int:
+        # check_inputs demands multiples of 8 whatever the VAE; latents need the VAE's factor.
+        return math.lcm(8, self.vae_scale_factor)
+
+    def validate(self, request: ImageRequest, limits) -> ImageRequest:
+        if request.task is Task.INPAINTING and request.guidance_scale is None:
+            request = dataclasses.replace(request, guidance_scale=INPAINT_DEFAULT_GUIDANCE)
+        return super().validate(request, limits)
+
+    # -- 1. text ----------------------------------------------------------------------------
+    def _tokenizers(self) -> list:
+        pipe = self.pipe  # as encode_prompt: encoder 1 is optional (refiner-style checkpoints)
+        return [pipe.tokenizer, pipe.tokenizer_2] if pipe.tokenizer is not None else [pipe.tokenizer_2]
+
+    def text_key(self, text: str) -> Hashable:
+        return tuple(tuple(tok(text, padding="max_length", max_length=tok.model_max_length, truncation=True).input_ids)
+                     for tok in self._tokenizers())
+
+    def encode_text(self, text: str) -> dict[str, torch.Tensor]:
+        # Penultimate hidden states of both encoders side by side; pooled (projected) output of encoder 2.
+        # A negative text is encoded the same way (diffusers pads it to the prompt's length, 77 either way).
+        embeds, _, pooled, _ = self.pipe.encode_prompt(text, device=self.device, num_images_per_prompt=1,
+                                                       do_classifier_free_guidance=False)
+        return {"embeds": embeds, "pooled": pooled}  # [1, L, D1 + D2], [1, P]
+
+    def cfg(self, request: ImageRequest) -> bool:
+        # do_classifier_free_guidance: guidance-distilled UNets (time_cond_proj_dim) run without.
+        return request.guidance_scale > 1.0 and self.pipe.unet.config.time_cond_proj_dim is None
+
+    def zero_negative(self, request: ImageRequest) -> bool:
+        # encode_prompt: `negative_prompt is None and force_zeros_for_empty_prompt` -> zeros, not "".
+        return request.negative_prompt is None and bool(self.pipe.config.force_zeros_for_empty_prompt)
+
+    def uses_negative(self, request: ImageRequest) -> bool:
+        """Whether a negative TEXT must be encoded (zero negatives need no encoder)."""
+        return self.cfg(request) and not self.zero_negative(request)
+
+    @torch.inference_mode()
+    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        out = []
+        for item in items:
+            req: ImageRequest = item.inputs["request"]
+            prompt = self.cached_text(req.prompt, req.tenant)
+            negative = None
+            if self.uses_negative(req):
+                negative = self.cached_text(req.negative_prompt or "", req.tenant)
+            elif self.cfg(req):
+                negative = {k: torch.zeros_like(v) for k, v in prompt.items()}
+            out.append({"cond": self.conditioning(prompt, negative, req)})
+        return out
+
+    def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
+        n = request.n
+        dtype = self.pipe.text_encoder_2.dtype if self.pipe.text_encoder_2 is not None else self.pipe.unet.dtype
+        embeds = prompt["embeds"].repeat(n, 1, 1)  # as num_images_per_prompt's repeat for one prompt
+        pooled = prompt["pooled"].repeat(n, 1)
+        if negative is not None:
+            embeds = torch.cat([negative["embeds"].to(dtype).repeat(n, 1, 1), embeds])  # [uncond x n, cond x n]
+            pooled = torch.cat([negative["pooled"].repeat(n, 1), pooled])
+        return {"embeds": embeds, "pooled": pooled, "cfg": negative is not None}
+
+    # -- 2. prepare ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare(self, item: WorkItem) -> None:
+        req: ImageRequest = item.inputs["request"]
+        cond = item.inputs["cond"]
+        scheduler = self.new_scheduler()
+        view = self.view(req.task, scheduler)
+        generator = self.generator(req.seed)
+        dtype = cond["embeds"].dtype
+        unet_channels = view.unet.config.in_channels
+
+        # 2.1 timesteps (image-to-image and inpainting start part-way, by strength)
+        timesteps, steps = retrieve_timesteps(scheduler, req.num_inference_steps, self.device)
+        if req.task is Task.TEXT_TO_IMAGE:
+            if hasattr(scheduler, "set_begin_index"):
+                scheduler.set_begin_index(0)
+        else:
+            timesteps, steps = view.get_timesteps(steps, req.strength, self.device)  # sets the begin index
+            if steps < 1:
+                raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
+        latent_timestep = timesteps[:1].repeat(req.n)
+        state: dict[str, Any] = {"scheduler": scheduler, "timesteps": timesteps, "total": len(timesteps)}
+
+        # 2.2 latents
+        if req.task is Task.TEXT_TO_IMAGE:
+            latents = view.prepare_latents(req.n, unet_channels, req.height, req.width, dtype, self.device, generator)
+        elif req.task is Task.IMAGE_TO_IMAGE:
+            image = view.image_processor.preprocess(req.image, height=req.height, width=req.width)
+            with self._vae_lock:  # may upcast the shared VAE (force_upcast) for the encode
+                latents = view.prepare_latents(image, latent_timestep, 1, req.n, dtype, self.device, generator)
+        else:
+            init_image = view.image_processor.preprocess(req.image, height=req.height, width=req.width).to(torch.float32)
+            mask_condition = view.mask_processor.preprocess(req.mask, height=req.height, width=req.width)
+            masked_image = init_image * (mask_condition < 0.5)
+            with self._vae_lock:
+                latents, noise, *image_latents = view.prepare_latents(
+                    req.n, view.vae.config.latent_channels, req.height, req.width, dtype, self.device, generator,
+                    image=init_image, timestep=latent_timestep, is_strength_max=req.strength == 1.0,
+                    return_noise=True, return_image_latents=unet_channels == 4)
+                mask, masked_image_latents = view.prepare_mask_latents(
+                    mask_condition, masked_image, req.n, req.height, req.width, dtype, self.device, generator, cond["cfg"])
+            state.update(mask=mask, masked_image_latents=masked_image_latents, noise=noise,
+                         image_latents=image_latents[0] if image_latents else None)
+
+        # 2.3 scheduler extras
+        state["step_kwargs"] = view.prepare_extra_step_kwargs(generator, 0.0)
+
+        # 2.4 added time ids: (original size, crop corner, target size | aesthetic score), from the latents' size
+        height, width = (d * view.vae_scale_factor for d in latents.shape[-2:])
+        size = (height, width)
+        if view.text_encoder_2 is None:
+            projection_dim = int(cond["pooled"].shape[-1])
+        else:
+            projection_dim = view.text_encoder_2.config.projection_dim
+        if req.task is Task.TEXT_TO_IMAGE:
+            add_time_ids = view._get_add_time_ids(size, CROPS_COORDS_TOP_LEFT, size, dtype=dtype,
+                                                  text_encoder_projection_dim=projection_dim)
+            if cond["cfg"]:
+                add_time_ids = torch.cat([add_time_ids, add_time_ids])  # negative = positive by default
+            time_ids = add_time_ids.repeat(req.n, 1)
+        else:
+            add_time_ids, add_neg_time_ids = view._get_add_time_ids(
+                size, CROPS_COORDS_TOP_LEFT, size, AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE,
+                size, CROPS_COORDS_TOP_LEFT, size, dtype=dtype, text_encoder_projection_dim=projection_dim)
+            time_ids = add_time_ids.repeat(req.n, 1)
+            if cond["cfg"]:
+                time_ids = torch.cat([add_neg_time_ids.repeat(req.n, 1), time_ids])
+        state["time_ids"] = time_ids.to(self.device)
+
+        # 2.5 the guidance embedding of distilled UNets
+        state["timestep_cond"] = None
+        if view.unet.config.time_cond_proj_dim is not None:
+            g = torch.tensor(req.guidance_scale - 1).repeat(req.n)
+            state["timestep_cond"] = view.get_guidance_scale_embedding(
+                g, embedding_dim=view.unet.config.time_cond_proj_dim).to(device=self.device, dtype=latents.dtype)
+        state["latents"] = latents
+        item.state.update(state)
+
+    # -- 3. denoise ------------------------------------------------------------------------
+    def _concat_mask(self, state: dict) -> bool:
+        return "mask" in state and self.pipe.unet.config.in_channels == 9
+
+    def denoise_key(self, item: WorkItem) -> Hashable:
+        # CFG on/off need not match: each item brings its own (doubled or not) rows, and every row
+        # of a UNet forward is independent of the others.
+        s, cond = item.state, item.inputs["cond"]
+        return (tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
+                tuple(cond["pooled"].shape[1:]), tuple(s["time_ids"].shape[1:]), self._concat_mask(s),
+                s["timestep_cond"] is not None)
+
+    @torch.inference_mode()
+    def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
+        inputs, timesteps, embeds, pooled, time_ids, tconds = [], [], [], [], [], []
+        for item in items:
+            s, cond = item.state, item.inputs["cond"]
+            t = s["timesteps"][s["i"]]
+            x = torch.cat([s["latents"]] * 2) if cond["cfg"] else s["latents"]
+            x = s["scheduler"].scale_model_input(x, t)
+            if self._concat_mask(s):
+                x = torch.cat([x, s["mask"], s["masked_image_latents"]], dim=1)
+            inputs.append(x)
+            timesteps.append(t.expand(x.shape[0]))  # per-sample timesteps: items sit at different steps
+            embeds.append(cond["embeds"])
+            pooled.append(cond["pooled"])
+            time_ids.append(s["time_ids"])
+            tconds.append(s["timestep_cond"])
+        out = self.pipe.unet(
+            torch.cat(inputs), torch.cat(timesteps), encoder_hidden_states=torch.cat(embeds),
+            timestep_cond=torch.cat(tconds) if tconds[0] is not None else None,
+            added_cond_kwargs={"text_embeds": torch.cat(pooled), "time_ids": torch.cat(time_ids)},
+            return_dict=False)[0]
+        return self.split(out, [x.shape[0] for x in inputs])
+
+    @torch.inference_mode()
+    def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
+        s, req = item.state, item.inputs["request"]
+        i, timesteps = s["i"], s["timesteps"]
+        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], req.guidance_scale)
+        latents = s["scheduler"].step(noise_pred, timesteps[i], s["latents"], **s["step_kwargs"], return_dict=False)[0]
+        if s.get("image_latents") is not None:
+            # Inpainting with a plain UNet: keep the unmasked area on the input image's noise path.
+            init_mask = s["mask"].chunk(2)[0] if item.inputs["cond"]["cfg"] else s["mask"]
+            proper = s["image_latents"]
+            if i < len(timesteps) - 1:
+                proper = s["scheduler"].add_noise(proper, s["noise"], torch.tensor([timesteps[i + 1]]))
+            latents = (1 - init_mask) * proper + init_mask * latents
+        s["latents"] = latents
+        s["i"] = i + 1
+
+    # -- 4. decode ---------------------------------------------------------------------------
+    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
+        """Called under the VAE lock (base.decode / base.preview)."""
+        pipe = self.pipe
+        vae = pipe.vae
+        # SDXL's VAE overflows in float16: diffusers upcasts it for the decode and casts it back.
+        needs_upcasting = vae.dtype == torch.float16 and vae.config.force_upcast
+        if needs_upcasting:
+            vae.to(dtype=torch.float32)
+            latents = latents.to(torch.float32)
+        try:
+            mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+            if mean is not None and std is not None:
+                mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+                std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+                latents = latents * std / vae.config.scaling_factor + mean
+            else:
+                latents = latents / vae.config.scaling_factor
+            image = vae.decode(latents, return_dict=False)[0]
+        finally:
+            if needs_upcasting:
+                vae.to(dtype=torch.float16)
+        if pipe.watermark is not None:
+            image = pipe.watermark.apply_watermark(image)
+        return self.postprocess(image)
