@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 

@@ -9,6 +9,7 @@ scheduler; the denoise loop itself is ours (stages/diffusion.py).
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 from typing import Any, Hashable
 
@@ -46,7 +47,10 @@ class ImageFamily:
         self.pipes = {Task.TEXT_TO_IMAGE: base}
         for task, cls in self.pipeline_classes.items():
             if task is not Task.TEXT_TO_IMAGE:
-                self.pipes[task] = cls(**base.components)
+                params = inspect.signature(cls.__init__).parameters
+                config = {k: v for k, v in base.config.items()
+                          if k in params and k not in base.components and not k.startswith("_")}
+                self.pipes[task] = cls(**base.components, **config)
                 self.pipes[task].set_progress_bar_config(disable=True)
         self.weights_id = f"{self.family}:{path}"  # enters cache identities; a reload gets a new object anyway
         self._vae_lock = threading.Lock()  # the VAE is shared by prepare (encode), previews and decode
@@ -112,18 +116,29 @@ class ImageFamily:
     def uses_negative(self, request: ImageRequest) -> bool:
         return request.guidance_scale > 1.0
 
-    def cached_text(self, text: str, tenant: str) -> dict[str, torch.Tensor]:
-        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text))
-        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text))
+    def text_options(self, request: ImageRequest) -> dict[str, Any]:
+        """Encoder settings of a request that change the embeddings (they enter the cache identity)."""
+        return {}
+
+    def negative(self, request: ImageRequest, prompt: dict, options: dict) -> dict | None:
+        """The unconditional half: the encoded negative prompt ("" when none), or None without guidance."""
+        if not self.uses_negative(request):
+            return None
+        return self.cached_text(request.negative_prompt or "", request.tenant, options)
+
+    def cached_text(self, text: str, tenant: str, options: dict | None = None) -> dict[str, torch.Tensor]:
+        options = options or {}
+        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, **options), tuple(sorted(options.items())))
+        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text, **options))
 
     @torch.inference_mode()
     def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         out = []
         for item in items:
             req: ImageRequest = item.inputs["request"]
-            prompt = self.cached_text(req.prompt, req.tenant)
-            negative = self.cached_text(req.negative_prompt or "", req.tenant) if self.uses_negative(req) else None
-            out.append({"cond": self.conditioning(prompt, negative, req)})
+            options = self.text_options(req)
+            prompt = self.cached_text(req.prompt, req.tenant, options)
+            out.append({"cond": self.conditioning(prompt, self.negative(req, prompt, options), req)})
         return out
 
     # -- denoise helpers shared by the families -----------------------------------------------

@@ -67,6 +67,9 @@ class FluxFamily(ImageFamily):
         return self.true_cfg_scale(request) > 1.0 and request.negative_prompt is not None
 
     # -- 1. text ----------------------------------------------------------------------------
+    def text_options(self, request: ImageRequest) -> dict:
+        return {"max_sequence_length": self.max_sequence_length(request)}
+
     def text_key(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Hashable:
         clip, t5 = self.pipe.tokenizer, self.pipe.tokenizer_2
         clip_ids = clip(text, padding="max_length", max_length=self.pipe.tokenizer_max_length, truncation=True).input_ids
@@ -77,23 +80,6 @@ class FluxFamily(ImageFamily):
         embeds, pooled, _ = self.pipe.encode_prompt(text, text, self.device, 1,
                                                     max_sequence_length=max_sequence_length)
         return {"embeds": embeds, "pooled": pooled}  # T5 [1, L, D], CLIP pooled [1, P]
-
-    def cached_text(self, text: str, tenant: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
-        # The T5 sequence is padded to max_sequence_length and read without a mask: the length is
-        # part of the identity (it is in the T5 token ids of text_key).
-        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, max_sequence_length))
-        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text, max_sequence_length))
-
-    @torch.inference_mode()
-    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        out = []
-        for item in items:
-            req: ImageRequest = item.inputs["request"]
-            msl = self.max_sequence_length(req)
-            prompt = self.cached_text(req.prompt, req.tenant, msl)
-            negative = self.cached_text(req.negative_prompt, req.tenant, msl) if self.uses_negative(req) else None
-            out.append({"cond": self.conditioning(prompt, negative, req)})
-        return out
 
     def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
         n = request.n

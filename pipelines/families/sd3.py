@@ -73,6 +73,9 @@ class StableDiffusion3Family(ImageFamily):
     # The cache holds, per prompt text (batch size 1): both CLIPs' penultimate hidden states side by
     # side (not yet padded), both pooled projections side by side, and T5's embeddings when the
     # checkpoint has T5. Without T5 the pipeline uses zeros, built in conditioning() (not cached).
+    def text_options(self, request: ImageRequest) -> dict:
+        return {"max_sequence_length": self.max_sequence_length(request)}
+
     def text_key(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Hashable:
         pipe = self.pipe
         key: tuple = tuple(
@@ -92,22 +95,6 @@ class StableDiffusion3Family(ImageFamily):
                "pooled": torch.cat([pooled_1, pooled_2], dim=-1)}  # [1, P1 + P2]
         if pipe.text_encoder_3 is not None:
             out["t5"] = pipe._get_t5_prompt_embeds(text, 1, max_sequence_length, self.device)  # [1, L, J]
-        return out
-
-    def cached_text(self, text: str, tenant: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
-        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, max_sequence_length))
-        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text, max_sequence_length))
-
-    @torch.inference_mode()
-    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        out = []
-        for item in items:
-            req: ImageRequest = item.inputs["request"]
-            msl = self.max_sequence_length(req)
-            prompt = self.cached_text(req.prompt, req.tenant, msl)
-            # encode_prompt: `negative_prompt or ""` whenever guidance is on.
-            negative = self.cached_text(req.negative_prompt or "", req.tenant, msl) if self.uses_negative(req) else None
-            out.append({"cond": self.conditioning(prompt, negative, req)})
         return out
 
     def _joint_text(self, enc: dict[str, torch.Tensor], max_sequence_length: int) -> torch.Tensor:

@@ -81,19 +81,12 @@ class StableDiffusionXLFamily(ImageFamily):
         """Whether a negative TEXT must be encoded (zero negatives need no encoder)."""
         return self.cfg(request) and not self.zero_negative(request)
 
-    @torch.inference_mode()
-    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        out = []
-        for item in items:
-            req: ImageRequest = item.inputs["request"]
-            prompt = self.cached_text(req.prompt, req.tenant)
-            negative = None
-            if self.uses_negative(req):
-                negative = self.cached_text(req.negative_prompt or "", req.tenant)
-            elif self.cfg(req):
-                negative = {k: torch.zeros_like(v) for k, v in prompt.items()}
-            out.append({"cond": self.conditioning(prompt, negative, req)})
-        return out
+    def negative(self, request: ImageRequest, prompt: dict, options: dict) -> dict | None:
+        if self.uses_negative(request):
+            return self.cached_text(request.negative_prompt or "", request.tenant, options)
+        if self.cfg(request):  # force_zeros_for_empty_prompt: no negative prompt means zeros
+            return {k: torch.zeros_like(v) for k, v in prompt.items()}
+        return None
 
     def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
         n = request.n
