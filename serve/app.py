@@ -1,0 +1,37 @@
+"""create_app: the FastAPI application around one Engine. It neither loads nor stops the engine.
+
+Whoever owns the engine (the CLI, a test) calls `engine.start()` (possibly in a background
+thread, so /health answers while models load) and `engine.shutdown()`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+
+from serve import routes_images, routes_system
+from serve.errors import install_error_handlers
+from serve.files import ImageStore
+from serve.metrics import RequestCounter
+
+DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits
+
+
+def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: ImageStore | None = None,
+               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
+    """The HTTP app. `api_keys` maps key -> tenant; None or empty: no auth, every caller is tenant "default"."""
+    if max_upload_bytes < 1:
+        raise ValueError(f"max_upload_bytes must be >= 1, got {max_upload_bytes}")
+    app = FastAPI(title="mmserve", version="0.1.0",
+                  description="Multimodal and diffusion pipeline server with OpenAI-compatible endpoints.")
+    app.state.engine = engine
+    app.state.api_keys = dict(api_keys or {})
+    app.state.image_store = image_store or ImageStore()
+    app.state.max_upload_bytes = max_upload_bytes
+    app.state.created = int(time.time())  # the `created` of every model object
+    app.include_router(routes_images.router)
+    app.include_router(routes_system.router)
+    install_error_handlers(app)
+    app.add_middleware(RequestCounter, counter=engine.metrics.requests)
+    return app

@@ -1,0 +1,214 @@
+"""The `mmserve` command: serve, demo-models, generate image.
+
+Exit codes: 0 done; 1 a model failed to load or run; 2 bad usage (unknown family, bad config,
+bad request field) with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from pathlib import Path
+
+from pipelines.config import ModelSpec
+from serve.config import DEFAULT_DEMO_DIR, DEMO_FAMILIES, demo_specs, engine_config, load_config, parse_model_arg
+
+log = logging.getLogger("mmserve")
+
+API_KEYS_HELP = ("file mapping API key -> tenant: JSON ({\"sk-abc\": \"alice\"}) or, if the name ends in .toml, "
+                 "TOML (\"sk-abc\" = \"alice\"). Callers then send 'Authorization: Bearer <key>'; without this "
+                 "file the server needs no key and every caller is tenant 'default'")
+
+
+class UsageError(Exception):
+    """Bad flags or config: printed without a traceback, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"mmserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmserve", description="Multimodal and diffusion pipeline server.")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible endpoints)",
+                       description="Run the server. Without --config models or --model it serves the demo models "
+                                   "(tiny random-weight checkpoints of every family, built on first run).")
+    s.add_argument("--host", help="bind address (default: [server] host, else 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default: [server] port, else 8000)")
+    s.add_argument("--config", type=Path, help="TOML config: models, pools, batching, limits (see serve/config.py)")
+    s.add_argument("--model", action="append", default=[], metavar="NAME=PATH_OR_ID",
+                   help="serve a checkpoint (local directory or cached hub id) as NAME; repeatable; "
+                        "the family is detected from model_index.json / config.json")
+    s.add_argument("--api-keys", type=Path, metavar="FILE", help=API_KEYS_HELP)
+    s.add_argument("--demo-dir", type=Path, help=f"where demo checkpoints are built (default {DEFAULT_DEMO_DIR})")
+    s.set_defaults(run=_serve)
+
+    d = sub.add_parser("demo-models", help="build the demo checkpoints (tiny, random weights, offline)")
+    d.add_argument("dir", nargs="?", type=Path, default=DEFAULT_DEMO_DIR, help=f"output directory (default {DEFAULT_DEMO_DIR})")
+    d.add_argument("--families", nargs="+", default=list(DEMO_FAMILIES), choices=DEMO_FAMILIES)
+    d.set_defaults(run=_demo_models)
+
+    g = sub.add_parser("generate", help="run one request in this process (no server)")
+    gsub = g.add_subparsers(dest="what", required=True)
+    gi = gsub.add_parser("image", help="text-to-image into a file")
+    gi.add_argument("prompt")
+    gi.add_argument("-o", "--output", type=Path, required=True, help="output file: .png, .jpg/.jpeg or .webp")
+    gi.add_argument("--model", default="sd-demo",
+                    help="a demo name (sd-demo, sdxl-demo, sd3-demo, flux-demo), a model named in --config, "
+                         "NAME=PATH, or a checkpoint path / cached hub id (default sd-demo)")
+    gi.add_argument("--config", type=Path, help="TOML config to take the model (and limits) from")
+    gi.add_argument("--seed", type=int)
+    gi.add_argument("--steps", type=int)
+    gi.add_argument("--size", help="WIDTHxHEIGHT (default: the model's)")
+    gi.add_argument("--guidance", type=float)
+    gi.add_argument("--negative-prompt")
+    gi.add_argument("-n", type=int, default=1, help="number of images (files get -1, -2, ... suffixes)")
+    gi.add_argument("--demo-dir", type=Path, default=DEFAULT_DEMO_DIR)
+    gi.set_defaults(run=_generate_image)
+    return p
+
+
+# -- serve --------------------------------------------------------------------------------
+
+
+def _serve(args) -> int:
+    from serve.auth import load_api_keys
+
+    loaded = _load_config(args.config, args.model)  # bad flags fail fast, before torch is imported
+    server_cfg = loaded.server
+    host = args.host or server_cfg.host
+    port = args.port if args.port is not None else server_cfg.port
+    config = loaded.engine
+    if config is None:
+        demo_dir = args.demo_dir or server_cfg.demo_dir
+        log.info("no models configured: serving the demo models from %s", demo_dir)
+        config = _usage(lambda: engine_config(demo_specs(demo_dir), loaded.raw_engine))
+    keys_file = args.api_keys or server_cfg.api_keys_file
+    api_keys = _usage(lambda: load_api_keys(keys_file)) if keys_file else None
+
+    import uvicorn
+
+    from pipelines.engine import Engine
+    from serve.app import create_app
+
+    engine = Engine(config)
+    app = create_app(engine, api_keys=api_keys)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, ws="auto", log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    failed = threading.Event()
+
+    def load() -> None:  # in the background, so /health answers while weights load
+        try:
+            engine.start()
+            log.info("ready: %s", ", ".join(engine.models))
+        except Exception:
+            log.exception("loading the models failed; stopping")
+            failed.set()
+            server.should_exit = True
+
+    log.info("mmserve on http://%s:%d loading %d model(s): %s (GET /ready turns 200 when they are warm)",
+             host, port, len(config.models), ", ".join(m.name for m in config.models))
+    threading.Thread(target=load, name="model-loader", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 1 if failed.is_set() else 0
+
+
+def _load_config(path: Path | None, model_args: list[str]):
+    specs = [_spec_from_arg(arg) for arg in model_args]
+    return _usage(lambda: load_config(path, extra_models=specs))
+
+
+def _spec_from_arg(arg: str) -> ModelSpec:
+    """--model NAME=PATH: the family comes from the checkpoint; an unknown one is a usage error."""
+    from pipelines.registry import detect_family
+
+    name, path = _usage(lambda: parse_model_arg(arg))
+    family = _usage(lambda: detect_family(path))
+    return ModelSpec(name=name, path=path, family=family)
+
+
+def _usage(build):
+    """Run a config builder; its ValueError/OSError becomes a UsageError (exit 2, no traceback)."""
+    try:
+        return build()
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+
+
+# -- demo-models --------------------------------------------------------------------------
+
+
+def _demo_models(args) -> int:
+    for spec in _usage(lambda: demo_specs(args.dir, tuple(args.families))):
+        print(f"{spec.name}\t{spec.family}\t{spec.path}")
+    return 0
+
+
+# -- generate image -----------------------------------------------------------------------
+
+
+def _generate_image(args) -> int:
+    from pipelines.engine import Engine
+    from pipelines.request import ImageRequest
+    from serve.schemas import parse_size
+    from stages.events import StageError
+
+    fmt = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(args.output.suffix.lower())
+    if fmt is None:
+        raise UsageError(f"-o {args.output}: the file name must end in .png, .jpg, .jpeg or .webp")
+    spec, raw = _generate_model(args)
+    engine = Engine(_usage(lambda: engine_config([spec], raw)))
+    try:
+        size = parse_size(args.size)
+        width, height = size or (None, None)
+        engine.start()
+        request = ImageRequest(prompt=args.prompt, negative_prompt=args.negative_prompt, width=width, height=height,
+                               n=args.n, num_inference_steps=args.steps, guidance_scale=args.guidance, seed=args.seed)
+        outputs = engine.submit_image(spec.name, request).result()
+        encoded = engine.encode_images(outputs["images"], fmt)
+    except StageError as e:  # RequestError included: a bad field is a usage error
+        where = f" ({e.param})" if e.param else ""
+        print(f"mmserve: error{where}: {e.message}", file=sys.stderr)
+        return 2 if e.status < 500 else 1
+    finally:
+        engine.shutdown()
+    paths = [args.output] if len(encoded) == 1 else [
+        args.output.with_name(f"{args.output.stem}-{i + 1}{args.output.suffix}") for i in range(len(encoded))]
+    for path, data in zip(paths, encoded, strict=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        print(f"wrote {path} (model {spec.name}, seed {outputs['seed']})")
+    return 0
+
+
+def _generate_model(args) -> tuple[ModelSpec, dict]:
+    """The one model `generate` loads, and the [engine]/[limits]/[media] settings to load it with."""
+    loaded = _usage(lambda: load_config(args.config)) if args.config else None
+    raw = loaded.raw_engine if loaded else {}
+    if loaded and loaded.engine:
+        for spec in loaded.engine.models:
+            if spec.name == args.model:
+                return spec, raw
+    demo = {f"{family}-demo": family for family in DEMO_FAMILIES}
+    if args.model in demo:
+        return _usage(lambda: demo_specs(args.demo_dir, (demo[args.model],)))[0], raw
+    return _spec_from_arg(args.model), raw
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The one place where exceptions become HTTP errors, in OpenAI's error shape.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+Classes (DESIGN §10): malformed input 400/404/413/422 and a bad API key 401 (as OpenAI answers
+it) -> invalid_request_error; capacity 429/503 -> rate_limit_error/service_unavailable_error with
+a Retry-After header; anything else -> server_error 500 (logged, details kept out of the reply).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from stages.events import StageError
+
+log = logging.getLogger(__name__)
+
+_TYPES = {429: "rate_limit_error", 499: "cancelled_error", 503: "service_unavailable_error", 504: "timeout_error"}
+_DEFAULT_RETRY_AFTER_S = {429: 1.0, 503: 5.0}
+
+
+class ApiError(Exception):
+    """An HTTP-level refusal raised by serve/ itself (auth, multipart, upload size, file not found)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+def error_type(status: int) -> str:
+    if status in _TYPES:
+        return _TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   retry_after_s: float | None = None) -> JSONResponse:
+    headers = {}
+    retry = retry_after_s if retry_after_s is not None else _DEFAULT_RETRY_AFTER_S.get(status)
+    if retry is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry)))  # whole seconds, as HTTP asks
+    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status, headers=headers)
+
+
+def stage_error_parts(exc: StageError) -> dict[str, Any]:
+    """The fields of an engine error, for JSON replies and for SSE `error` events alike."""
+    return dict(status=exc.status, message=exc.message, param=exc.param, code=exc.code)
+
+
+def validation_error_parts(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pydantic's error list -> one OpenAI error naming the first offending field (the rest in the message)."""
+    messages, first_param, first_code = [], None, "invalid_value"
+    for i, err in enumerate(errors):
+        loc = [str(part) for part in err.get("loc", ()) if part not in ("body", "form")]
+        param = ".".join(loc) or None
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            param, code = None, "invalid_json"
+            msg = "the request body is not valid JSON; send a JSON object with Content-Type: application/json"
+        elif kind == "extra_forbidden":
+            code, msg = "unknown_parameter", f"Unrecognized request argument supplied: {param}"
+        elif kind == "missing":
+            code, msg = "missing_required_parameter", f"Missing required parameter: '{param}'"
+        elif kind in ("model_attributes_type", "dict_type", "model_type"):
+            param, code = None, "invalid_json"
+            msg = "the request body must be a JSON object"
+        else:
+            code = "invalid_value"
+            detail = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            msg = f"Invalid value for '{param}': {detail}"
+        messages.append(msg)
+        if i == 0:
+            first_param, first_code = param, code
+    return dict(status=400, message="; ".join(messages), param=first_param, code=first_code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure through the shapes above. Route handlers never build error replies themselves."""
+
+    @app.exception_handler(StageError)  # RequestError and CapacityError included
+    async def _stage(request: Request, exc: StageError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("%s %s failed: %s (%s)", request.method, request.url.path, exc.message, exc.code)
+        return error_response(**stage_error_parts(exc), retry_after_s=getattr(exc, "retry_after_s", None))
+
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, retry_after_s=exc.retry_after_s)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(**validation_error_parts(list(exc.errors())))
+
+    @app.exception_handler(ValidationError)
+    async def _validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return error_response(**validation_error_parts(exc.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Unknown request URL: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return error_response(exc.status_code, message, code=None)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, "The server had an error while processing your request; it has been logged.",
+                              code="internal_error")

@@ -1,0 +1,72 @@
+"""A bounded, expiring in-memory store for `response_format=url` images.
+
+The id is an unguessable capability (like a signed URL), so GET needs no API key. Entries leave
+oldest-first when the count or byte budget is exceeded, and after `ttl_s`.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    data: bytes
+    ext: str  # png | jpeg | webp
+    expires_at: float  # time.monotonic() value
+
+    @property
+    def media_type(self) -> str:
+        return MEDIA_TYPES[self.ext]
+
+
+class ImageStore:
+    def __init__(self, *, max_items: int = 512, max_bytes: int = 256 * 2**20, ttl_s: float = 3600.0):
+        if max_items < 1 or max_bytes < 1 or ttl_s <= 0:
+            raise ValueError("ImageStore needs max_items >= 1, max_bytes >= 1 and ttl_s > 0")
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self._items: collections.OrderedDict[str, StoredImage] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, data: bytes, ext: str) -> str:
+        """Store one encoded image; returns its file name `<id>.<ext>`."""
+        if ext not in MEDIA_TYPES:
+            raise ValueError(f"unknown image extension {ext!r}; expected one of {sorted(MEDIA_TYPES)}")
+        image_id = f"img_{secrets.token_urlsafe(18)}"
+        with self._lock:
+            self._items[image_id] = StoredImage(data, ext, time.monotonic() + self.ttl_s)
+            self._bytes += len(data)
+            self._evict()
+        return f"{image_id}.{ext}"
+
+    def get(self, name: str) -> StoredImage | None:
+        image_id, _, ext = name.rpartition(".")
+        with self._lock:
+            self._evict()
+            item = self._items.get(image_id)
+        if item is None or item.ext != ext:
+            return None
+        return item
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def _evict(self) -> None:
+        now = time.monotonic()
+        while self._items:
+            oldest_id, oldest = next(iter(self._items.items()))
+            over = len(self._items) > self.max_items or self._bytes > self.max_bytes
+            if not over and oldest.expires_at > now:
+                break
+            del self._items[oldest_id]
+            self._bytes -= len(oldest.data)

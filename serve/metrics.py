@@ -1,0 +1,36 @@
+"""Counts HTTP requests by route template and status (never by raw path, tenant or request id).
+
+A plain ASGI middleware rather than `@app.middleware("http")`: that one wraps `receive`, which
+hides client disconnects from the handlers that watch for them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class RequestCounter:
+    def __init__(self, app: ASGIApp, counter: Counter):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # if the app raises before answering, the error middleware outside answers 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            # The router writes the matched route into the scope; unmatched paths share one label.
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.counter.labels(route=template, status=str(status)).inc()

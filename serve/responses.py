@@ -1,0 +1,125 @@
+"""From a running request to what goes on the wire: JSON image lists or server-sent events.
+
+A client that goes away cancels its request: the JSON path watches for the disconnect while it
+waits, the SSE path cancels when its generator is closed or cancelled (Starlette does either
+when the socket drops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from serve.errors import error_body, stage_error_parts
+from serve.files import ImageStore
+from serve.schemas import ImageParams, size_string
+from stages.events import EventKind, StageError
+from stages.request import RequestHandle
+
+_DISCONNECT_POLL_S = 0.1
+_NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+             "output_tokens": 0, "total_tokens": 0}  # no token accounting for diffusion models
+
+
+async def respond(request: Request, handle: RequestHandle, params: ImageParams, event_prefix: str):
+    """The reply to an admitted image request: SSE when `stream`, else one JSON body."""
+    headers = {"x-request-id": handle.request_id}
+    if params.stream:
+        return StreamingResponse(_sse(request, handle, params, event_prefix), media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    outputs = await result_or_cancel(request, handle)
+    images = outputs["images"]
+    encoded = await encode(request, images, params)
+    body = {
+        "created": int(time.time()),
+        "data": [_image_entry(request, data, params) for data in encoded],
+        "output_format": params.output_format,
+        "size": size_string(images[0]),
+        "seed": outputs["seed"],  # extension: the seed that reproduces this reply
+    }
+    return JSONResponse(body, headers=headers)
+
+
+async def result_or_cancel(request: Request, handle: RequestHandle) -> dict[str, Any]:
+    """The request's outputs; cancels it if the client disconnects (or this task is cancelled) first."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+    try:
+        return await handle.aresult()
+    finally:
+        watcher.cancel()
+        if not handle.done:
+            handle.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+    handle.cancel()
+
+
+async def encode(request: Request, images: list, params: ImageParams) -> list[bytes]:
+    engine = request.app.state.engine
+    quality = None
+    if params.output_format != "png" and params.output_compression is not None:
+        quality = max(1, params.output_compression)  # encoders take 1..100
+    return await asyncio.to_thread(engine.encode_images, images, params.output_format, quality)
+
+
+def _image_entry(request: Request, data: bytes, params: ImageParams) -> dict[str, str]:
+    if not params.wants_url:
+        return {"b64_json": base64.b64encode(data).decode("ascii")}
+    store: ImageStore = request.app.state.image_store
+    name = store.put(data, params.output_format)
+    return {"url": str(request.url_for("get_image_file", name=name))}
+
+
+def sse(event: str, data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"event: {event}\ndata: {payload}\n\n"
+
+
+async def _sse(request: Request, handle: RequestHandle, params: ImageParams, prefix: str) -> AsyncIterator[str]:
+    """OpenAI's image stream (`<prefix>.partial_image`, `<prefix>.completed`) plus `<prefix>.progress`.
+
+    prefix is "image_generation" or "image_edit". The stream ends with `data: [DONE]`.
+    """
+    common = {"background": params.background or "auto", "quality": params.quality or "auto",
+              "output_format": params.output_format}
+    partial_index = 0
+    try:
+        async for event in handle:
+            now = int(time.time())
+            if event.kind is EventKind.PROGRESS:
+                yield sse(f"{prefix}.progress", {"type": f"{prefix}.progress", "request_id": handle.request_id,
+                                                 "step": event.data["step"], "total": event.data["total"],
+                                                 "created_at": now})
+                preview = event.data.get("preview")
+                if preview is not None:
+                    [data] = await encode(request, [preview], params)
+                    yield sse(f"{prefix}.partial_image", {
+                        "type": f"{prefix}.partial_image", "b64_json": base64.b64encode(data).decode("ascii"),
+                        "partial_image_index": partial_index, "size": size_string(preview), "created_at": now,
+                        "request_id": handle.request_id, **common})
+                    partial_index += 1
+            elif event.kind is EventKind.FINAL:
+                outputs = event.data["outputs"]
+                encoded = await encode(request, outputs["images"], params)
+                for i, (image, data) in enumerate(zip(outputs["images"], encoded, strict=True)):
+                    yield sse(f"{prefix}.completed", {
+                        "type": f"{prefix}.completed", "b64_json": base64.b64encode(data).decode("ascii"),
+                        "size": size_string(image), "created_at": now, "usage": _NO_USAGE,
+                        "request_id": handle.request_id, "image_index": i, "seed": outputs["seed"], **common})
+            elif event.kind is EventKind.ERROR:
+                error = StageError(event.data.get("code", "internal_error"), event.data.get("message", ""),
+                                   param=event.data.get("param"), status=event.data.get("status", 500))
+                yield sse("error", {"type": "error", **error_body(**stage_error_parts(error))})
+        yield "data: [DONE]\n\n"
+    finally:
+        if not handle.done:  # the client went away mid-stream (or the server is stopping)
+            handle.cancel()

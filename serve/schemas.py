@@ -1,0 +1,116 @@
+"""Wire schemas of the image endpoints: OpenAI's fields, mmserve's extensions, and the response shapes.
+
+Extensions are extra fields with their own names (DESIGN §10); no OpenAI field changes meaning.
+OpenAI-only knobs that a diffusion model cannot act on (`quality`, `style`, `moderation`, ...)
+are accepted and ignored so that stock clients work; unknown fields are refused, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipelines.request import ImageRequest, RequestError, Task
+
+ResponseFormat = Literal["b64_json", "url"]
+OutputFormat = Literal["png", "jpeg", "webp"]
+# Every value the OpenAI API has documented for `quality`; none changes what a diffusion model does.
+Quality = Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"]
+
+_SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
+
+
+def parse_size(size: str | None) -> tuple[int, int] | None:
+    """"WxH" -> (width, height); None or "auto" -> None (the model's default). Raises RequestError(param="size")."""
+    if size is None or size.strip().lower() == "auto":
+        return None
+    m = _SIZE.match(size)
+    if not m:
+        raise RequestError("size", f"size must be 'WIDTHxHEIGHT' (for example '512x512') or 'auto'; got {size!r}",
+                           code="invalid_size")
+    width, height = int(m.group(1)), int(m.group(2))
+    if width < 1 or height < 1:
+        raise RequestError("size", f"width and height must be positive; got {size!r}", code="invalid_size")
+    return width, height
+
+
+class ImageParams(BaseModel):
+    """Fields shared by /v1/images/generations (JSON) and /v1/images/edits (multipart)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # -- OpenAI fields --------------------------------------------------------------------
+    model: str | None = None  # None: the server's first configured model
+    prompt: str = Field(min_length=1)
+    n: int = Field(1, ge=1)  # the upper bound is the engine's configured limit (ImageLimits.max_n)
+    size: str | None = "auto"  # "WxH" or "auto"
+    response_format: ResponseFormat | None = None  # None: b64_json (as the GPT image models answer)
+    output_format: OutputFormat = "png"
+    output_compression: int | None = Field(None, ge=0, le=100)  # jpeg/webp quality; ignored for png
+    quality: Quality | None = None  # accepted, ignored
+    background: Literal["auto", "opaque"] | None = None  # transparent output is not something these models make
+    moderation: Literal["auto", "low"] | None = None  # accepted, ignored: no moderation model is loaded
+    user: str | None = None  # accepted; never a metric label
+    safety_identifier: str | None = None  # accepted; the newer name of `user`
+    stream: bool = False  # server-sent events: progress per step, partial images, the final image(s)
+    partial_images: int | None = Field(None, ge=0, le=3)  # previews while streaming (each costs a VAE decode)
+    # -- mmserve extensions -----------------------------------------------------------------
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(None, ge=1)  # None: the family default; upper bound: the engine limit
+    guidance_scale: float | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)  # None: random, reported back in the response
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_has_text(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("prompt must contain some text, not only whitespace")
+        return v
+
+    @field_validator("size")
+    @classmethod
+    def _size_parses(cls, v: str | None) -> str | None:
+        try:
+            parse_size(v)
+        except RequestError as e:  # pydantic reports only ValueErrors as field errors
+            raise ValueError(e.message) from None
+        return v
+
+    def image_request(self, *, task: Task, tenant: str, image=None, mask=None, strength: float | None = None,
+                      default_size: tuple[int, int] | None = None) -> ImageRequest:
+        """The engine's request. `default_size` applies when the caller left size at auto (edits use the image's)."""
+        width, height = parse_size(self.size) or default_size or (None, None)
+        request = ImageRequest(
+            prompt=self.prompt, task=task, negative_prompt=self.negative_prompt, width=width, height=height,
+            n=self.n, num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+            seed=self.seed, image=image, mask=mask, tenant=tenant,
+            # Previews only make sense on a stream; computing them otherwise would waste VAE decodes.
+            previews=(self.partial_images or 0) if self.stream else 0)
+        if strength is not None:
+            request.strength = strength
+        return request
+
+    @property
+    def wants_url(self) -> bool:
+        return self.response_format == "url"
+
+
+class ImageGenerationRequest(ImageParams):
+    """POST /v1/images/generations (JSON)."""
+
+    style: Literal["vivid", "natural"] | None = None  # accepted, ignored (a DALL-E 3 knob)
+
+
+class ImageEditRequest(ImageParams):
+    """The text fields of POST /v1/images/edits (multipart); `image` and `mask` arrive as files."""
+
+    strength: float | None = Field(None, gt=0, le=1)  # extension: how far from the input image (default 0.8)
+    input_fidelity: Literal["high", "low"] | None = None  # accepted, ignored
+
+
+def size_string(image) -> str:
+    """"WxH" of a PIL image."""
+    width, height = image.size
+    return f"{width}x{height}"

@@ -1,0 +1,105 @@
+"""Helpers for the serve tests: a real `mmserve serve` process on loopback, metrics reading, tiny images.
+
+No tests here; the serve test modules import from this file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m serve.cli serve --config FILE` in a subprocess; `url` once /ready answers 200."""
+
+    def __init__(self, workdir: Path, config_toml: str, *, extra_args: tuple[str, ...] = (), ready_timeout_s: float = 120):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = workdir / "mmserve.toml"
+        config.write_text(config_toml)
+        self.log_path = workdir / "server.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "serve.cli", "--log-level", "warning", "serve", "--port", str(self.port),
+             "--config", str(config), *extra_args],
+            cwd=REPO, env=ENV, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_ready(ready_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not ready within {timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (0 when none)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def png_bytes(width: int, height: int, color=(200, 30, 30), mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    fill = color if mode != "RGBA" else (*color, 255)
+    out = io.BytesIO()
+    Image.new(mode, (width, height), fill).save(out, format="PNG")
+    return out.getvalue()
+
+
+def read_image(data: bytes):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data))
