@@ -17,10 +17,14 @@ class ModelSpec:
     dtype: str = "float32"
     # Pools by stage kind ("text_encode", "denoise", "vae_decode"); missing kinds use the defaults below.
     pools: dict[str, PoolConfig] = field(default_factory=dict)
+    max_inflight: int = 64  # admitted requests of this model at once; more answer 429
+
 
     def __post_init__(self):
         if not self.name or "/" in self.name and self.name.startswith("/"):
             raise ValueError(f"model name {self.name!r} must be a non-empty id")
+        if self.max_inflight < 1:
+            raise ValueError(f"model {self.name}: max_inflight must be >= 1, got {self.max_inflight}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"model {self.name}: dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
 

@@ -45,6 +45,7 @@ class Engine:
         self.prompt_cache = EncoderCache("prompt_embedding", config.prompt_cache_mb << 20, self._cache_event)
         self.models: dict[str, ModelInfo] = {}
         self._families: dict[str, ImageFamily] = {}
+        self._specs: dict[str, ModelSpec] = {}
         self._media = None  # started on first use: the Python API may never encode
         self._media_lock = threading.Lock()
         self._ready = threading.Event()
@@ -82,6 +83,7 @@ class Engine:
                             ("vae_decode", VaeDecodeStage(family))):
             self.executor.add_pool(f"{spec.name}/{kind}", stage, spec.pool(kind))
         self._families[spec.name] = family
+        self._specs[spec.name] = spec
         self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, family.tasks,
                                            family.size_factor, family.default_size)
         log.info("loaded %s (%s) from %s", spec.name, family_name, spec.path)
@@ -112,7 +114,8 @@ class Engine:
         family = self.family(model)
         request = family.validate(request, self.config.limits)
         return self.executor.submit(self.graph(model), {"request": request}, request_id=request_id,
-                                    deadline_s=self.config.request_timeout_s, model=model)
+                                    deadline_s=self.config.request_timeout_s, model=model,
+                                    max_inflight=self._specs[model].max_inflight)
 
     # -- media ----------------------------------------------------------------------------
     def media(self):

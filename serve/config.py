@@ -22,6 +22,7 @@
     family = "sd"                 # optional: detected from model_index.json / config.json
     device = "cpu"
     dtype = "float32"
+    max_inflight = 64             # admitted requests at once; more answer 429
     [models.pools.denoise]        # text_encode | denoise | vae_decode: stages.pool.PoolConfig
     max_batch_size = 8
     replicas = 1
@@ -129,7 +130,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
-    _only(table, ("name", "path", "family", "device", "dtype", "pools"), where)
+    _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight"), where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")

@@ -60,8 +60,12 @@ class GraphExecutor:
 
     # -- requests -----------------------------------------------------------------------
     def submit(self, graph: StageGraph, inputs: dict[str, Any], *, request_id: str | None = None,
-               deadline_s: float | None = None, model: str = "") -> RequestHandle:
-        """Admit a request and start its first nodes. Raises CapacityError when the entry pool is full."""
+               deadline_s: float | None = None, model: str = "", max_inflight: int | None = None) -> RequestHandle:
+        """Admit a request and start its first nodes.
+
+        Raises CapacityError when the entry pool's queue is full or `model` already has
+        `max_inflight` requests admitted (the long denoise loop is bounded here, at the door).
+        """
         first = graph.ready(set(), set())
         for node in first:
             pool = self.pools.get(node.pool)
@@ -76,6 +80,8 @@ class GraphExecutor:
         with self._lock:
             if rid in self._runs:
                 raise ValueError(f"request id {rid!r} is already in flight")
+            if max_inflight is not None and sum(r.state.model == model for r in self._runs.values()) >= max_inflight:
+                raise CapacityError(f"model {model} has {max_inflight} requests in flight; retry shortly")
             self._runs[rid] = run
         state.on_close(lambda: self._forget(rid))
         state.emit(EventKind.QUEUED)
@@ -89,7 +95,10 @@ class GraphExecutor:
         if run is None:
             return False
         run.state.request_cancel()
-        return run.state.fail(StageError("cancelled", "the request was cancelled", status=499))
+        if not run.state.fail(StageError("cancelled", "the request was cancelled", status=499)):
+            return False
+        self.metrics.graph_requests.labels(model=run.state.model, outcome="cancelled").inc()
+        return True
 
     def in_flight(self) -> int:
         with self._lock:
@@ -136,8 +145,6 @@ class GraphExecutor:
             error = StageError("deadline_exceeded", "the request passed its deadline", status=504)
         if error is not None and state.fail(error):
             self.metrics.graph_requests.labels(model=state.model, outcome=error.code).inc()
-        elif state.cancelled:
-            self.metrics.graph_requests.labels(model=state.model, outcome="cancelled").inc()
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

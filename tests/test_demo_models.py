@@ -21,6 +21,8 @@ PIPELINES = {
 DEFAULT_SIZE = {"sd": 64, "sdxl": 64, "sd3": 64, "flux": 512}  # px, square; see pipelines/demo.py
 # SD3 without T5: these two are not optional components, so from_pretrained needs them named.
 LOAD_KWARGS = {"sd3": {"text_encoder_3": None, "tokenizer_3": None}}
+# diffusers' EulerDiscreteScheduler.set_timesteps calls np.array on a torch tensor (numpy 2 deprecation).
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
 
 
 def _load(family, path):

@@ -22,7 +22,7 @@ KEYS = {"sk-alice-0001": "alice", "sk-bob-0002": "bob"}
 def server(tmp_path_factory, sd_path):  # sd_path: the session's demo checkpoint (tests/conftest.py)
     workdir = tmp_path_factory.mktemp("serve-admission")
     (workdir / "keys.json").write_text(json.dumps(KEYS))
-    # A one-slot entry queue with one text encoder: a burst of requests must overflow it.
+    # Two requests of the model in flight at most: a burst of requests must overflow it.
     srv = Server(workdir, f"""
 [server]
 api_keys_file = "keys.json"
@@ -30,9 +30,7 @@ api_keys_file = "keys.json"
 [[models]]
 name = "{MODEL}"
 path = "{sd_path}"
-[models.pools.text_encode]
-max_queue = 1
-max_batch_size = 1
+max_inflight = 2
 """)
     yield srv
     srv.stop()
@@ -85,7 +83,7 @@ def test_full_queue_answers_429_with_retry_after(server):
             # Distinct prompts: no prompt-cache hit shortens the text encoder's work.
             return await asyncio.gather(*(
                 client.post("/v1/images/generations", json={"model": MODEL, "prompt": f"burst {i}", "size": "64x64",
-                                                            "num_inference_steps": 2})
+                                                            "num_inference_steps": 10})
                 for i in range(32)))
 
     responses = asyncio.run(burst())
