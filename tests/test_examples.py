@@ -1,0 +1,87 @@
+"""The README's commands and the examples/ scripts, executed as a user would run them."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.test_serve_support import ENV, REPO, free_port
+
+README = (REPO / "README.md").read_text()
+
+
+def _block(heading: str) -> list[str]:
+    """The lines of the first ```bash block under a README heading."""
+    section = README.split(f"## {heading}\n", 1)[1]
+    body = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in body.splitlines() if line.strip()]
+
+
+def test_readme_shows_exactly_the_two_setup_commands():
+    assert _block("Set-up") == ["make serve", "make test"]
+
+
+def test_make_serve_answers_the_openai_client(tmp_path):
+    """`make serve` on the demo models, then examples/openai_client.py against it."""
+    port = free_port()
+    env = {**ENV, "HOME": str(tmp_path)}  # the demo models build under this HOME's cache
+    proc = subprocess.Popen(["make", "serve", f"PORT={port}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, "make serve exited"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "make serve did not become ready"
+            time.sleep(0.5)
+        out = tmp_path / "client.png"
+        run = subprocess.run([sys.executable, "examples/openai_client.py", "--base-url", f"http://127.0.0.1:{port}/v1",
+                              "-o", str(out)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        for family in ("sd", "sdxl", "sd3", "flux"):
+            assert f"{family}-demo" in run.stdout
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_readme_cli_commands_run(tmp_path):
+    mmserve = str(REPO / ".venv/bin/mmserve") if (REPO / ".venv/bin/mmserve").exists() else "mmserve"
+    for line in _block("CLI"):
+        line = line.replace(".venv/bin/mmserve", mmserve).replace("/tmp/mmserve-demo", str(tmp_path / "demo"))
+        run = subprocess.run(shlex.split(line), cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{line}\n{run.stderr}"
+    assert (tmp_path / "lighthouse.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "demo" / "sd" / "model_index.json").exists()
+
+
+def test_python_api_example(tmp_path, sd_path):
+    out = tmp_path / "api.png"
+    run = subprocess.run([sys.executable, "examples/python_api.py", sd_path, "-o", str(out), "--steps", "2"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "step 2/2" in run.stdout
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_benchmark_script_prints_ratios(sd_path):
+    run = subprocess.run([sys.executable, "examples/bench_images.py", "--checkpoint", sd_path, "--size", "64",
+                          "--steps", "2", "--concurrency", "2", "--repeats", "1"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"latency .* ratio \d+\.\d+x", run.stdout), run.stdout
+    assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
+    assert "denoise batch sizes reached: <=" in run.stdout
