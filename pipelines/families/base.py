@@ -150,6 +150,18 @@ class ImageFamily:
         return uncond + scale * (cond - uncond)
 
     @staticmethod
+    def keep_unmasked(state: dict, latents: torch.Tensor, mask: torch.Tensor, renoise) -> torch.Tensor:
+        """Inpainting with a plain denoiser: the unmasked area follows the input image's noise path.
+
+        `renoise(image_latents, next_timestep)` noises the input image's latents to the next step.
+        """
+        i, timesteps = state["i"], state["timesteps"]
+        proper = state["image_latents"]
+        if i < len(timesteps) - 1:
+            proper = renoise(proper, torch.tensor([timesteps[i + 1]]))
+        return (1 - mask) * proper + mask * latents
+
+    @staticmethod
     def split(batched: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         return list(torch.split(batched, sizes))
 

@@ -205,10 +205,8 @@ class FluxFamily(ImageFamily):
         latents = s["scheduler"].step(noise_pred, timesteps[i], s["latents"], return_dict=False)[0]
         if "mask" in s:
             # Inpainting: keep the unmasked area on the input image's noise path.
-            proper = s["image_latents"]
-            if i < len(timesteps) - 1:
-                proper = s["scheduler"].scale_noise(proper, torch.tensor([timesteps[i + 1]]), s["noise"])
-            latents = (1 - s["mask"]) * proper + s["mask"] * latents
+            latents = self.keep_unmasked(s, latents, s["mask"],
+                                         lambda x, t: s["scheduler"].scale_noise(x, t, s["noise"]))
         s["latents"] = latents
         s["i"] = i + 1
 

@@ -213,10 +213,7 @@ class StableDiffusion3Family(ImageFamily):
             # Inpainting with a plain (16-channel) transformer: keep the unmasked area on the input
             # image's noise path (scale_noise reads the scheduler's current step index).
             init_mask = s["mask"].chunk(2)[0] if item.inputs["cond"]["cfg"] else s["mask"]
-            proper = s["image_latents"]
-            if i < len(timesteps) - 1:
-                proper = scheduler.scale_noise(proper, torch.tensor([timesteps[i + 1]]), s["noise"])
-            latents = (1 - init_mask) * proper + init_mask * latents
+            latents = self.keep_unmasked(s, latents, init_mask, lambda x, t: scheduler.scale_noise(x, t, s["noise"]))
         s["latents"] = latents
         s["i"] = i + 1
 

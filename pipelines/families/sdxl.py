@@ -220,10 +220,7 @@ class StableDiffusionXLFamily(ImageFamily):
         if s.get("image_latents") is not None:
             # Inpainting with a plain UNet: keep the unmasked area on the input image's noise path.
             init_mask = s["mask"].chunk(2)[0] if item.inputs["cond"]["cfg"] else s["mask"]
-            proper = s["image_latents"]
-            if i < len(timesteps) - 1:
-                proper = s["scheduler"].add_noise(proper, s["noise"], torch.tensor([timesteps[i + 1]]))
-            latents = (1 - init_mask) * proper + init_mask * latents
+            latents = self.keep_unmasked(s, latents, init_mask, lambda x, t: s["scheduler"].add_noise(x, s["noise"], t))
         s["latents"] = latents
         s["i"] = i + 1
 
