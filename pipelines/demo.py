@@ -147,6 +147,7 @@ def _build_sd(seed: int, scale: str):
             up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
             sample_size=8,  # latent px; * 8 = 64 px default
         )
+    # attention_head_dim is diffusers' legacy name for the number of heads (8) in UNet2DConditionModel
     unet = _seeded(seed, lambda: UNet2DConditionModel(cross_attention_dim=hidden, attention_head_dim=8, **blocks))
     vae = _seeded(seed, lambda: _vae((64, 128, 128, 128) if small else (32, 32, 64, 64), 4))
     scheduler = DDIMScheduler(  # SD 1.x's; steps_offset=1 or diffusers warns
