@@ -13,7 +13,7 @@ from pipelines.engine import Engine
 from pipelines.request import ImageRequest, RequestError, Task
 from stages.pool import PoolConfig
 
-SIZE = 32  # 32 x 32 px -> 16 x 32 x 32 latents -> 256 packed tokens (the demo VAE's scale factor is 1)
+SIZE = 32  # 32 x 32 px -> 16 x 32 x 32 latents -> 256 packed tokens
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from encoders.cache import EncoderCache
-from pipelines.request import ImageRequest, Task
+from pipelines.request import ImageRequest, RequestError, Task
 from stages.stage import WorkItem
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -79,7 +79,6 @@ class ImageFamily:
 
     def validate(self, request: ImageRequest, limits) -> ImageRequest:
         if request.task.value not in self.tasks:
-            from pipelines.request import RequestError
             raise RequestError("model", f"model {self.name} does not support {request.task.value}; it supports {list(self.tasks)}")
         return request.validate(size_factor=self.size_factor, default_size=self.default_size,
                                 default_steps=self.default_steps, default_guidance=self.default_guidance, limits=limits)
@@ -140,6 +139,47 @@ class ImageFamily:
             prompt = self.cached_text(req.prompt, req.tenant, options)
             out.append({"cond": self.conditioning(prompt, self.negative(req, prompt, options), req)})
         return out
+
+    # -- prepare helpers shared by the families ------------------------------------------------
+    mask_batch_args = ("n",)  # how the family's prepare_mask_latents takes the batch: ("n",) or (1, "n")
+
+    def strength_timesteps(self, view, req: ImageRequest, steps: int) -> torch.Tensor:
+        """Image-to-image and inpainting start part-way through the schedule (sets the begin index)."""
+        timesteps, steps = view.get_timesteps(steps, req.strength, self.device)
+        if steps < 1:
+            raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
+        return timesteps
+
+    def edit_latents(self, view, req: ImageRequest, timesteps: torch.Tensor, dtype, generator, cfg: bool,
+                     state: dict) -> torch.Tensor:
+        """Initial latents of image-to-image and inpainting (the VAE encodes draw from the generator
+        in the pipelines' order). Inpainting adds mask, noise and image latents to `state`."""
+        latent_timestep = timesteps[:1].repeat(req.n)
+        if req.task is Task.IMAGE_TO_IMAGE:
+            image = view.image_processor.preprocess(req.image, height=req.height, width=req.width)
+            with self._vae_lock:  # may upcast the shared VAE (force_upcast) for the encode
+                return view.prepare_latents(image, latent_timestep, 1, req.n, dtype, self.device, generator)
+        init_image = view.image_processor.preprocess(req.image, height=req.height, width=req.width).to(torch.float32)
+        mask_condition = view.mask_processor.preprocess(req.mask, height=req.height, width=req.width)
+        masked_image = init_image * (mask_condition < 0.5)
+        latent_channels = view.vae.config.latent_channels
+        plain = self.denoiser_channels == latent_channels  # no mask channels: blend each step instead
+        batch = [req.n if a == "n" else a for a in self.mask_batch_args]
+        with self._vae_lock:
+            latents, noise, *image_latents = view.prepare_latents(
+                req.n, latent_channels, req.height, req.width, dtype, self.device, generator, image=init_image,
+                timestep=latent_timestep, is_strength_max=req.strength == 1.0, return_noise=True,
+                return_image_latents=plain)
+            mask, masked_image_latents = view.prepare_mask_latents(
+                mask_condition, masked_image, *batch, req.height, req.width, dtype, self.device, generator, cfg)
+        state.update(mask=mask, masked_image_latents=masked_image_latents, noise=noise,
+                     image_latents=image_latents[0] if image_latents else None)
+        return latents
+
+    @property
+    def denoiser_channels(self) -> int:
+        denoiser = getattr(self.pipe, "unet", None) or self.pipe.transformer
+        return denoiser.config.in_channels
 
     # -- denoise helpers shared by the families -----------------------------------------------
     @staticmethod

@@ -30,6 +30,7 @@ class StableDiffusion3Family(ImageFamily):
     default_guidance = 7.0
     # diffusers' SD3 inpainting pipeline decodes `latents / scaling_factor` without adding the VAE's
     # shift_factor (text-to-image and image-to-image add it). We mirror that to equal its output.
+    mask_batch_args = (1, "n")  # SD3's prepare_mask_latents takes (batch_size, num_images_per_prompt)
     inpaint_decode_shift = False
 
     def __init__(self, name: str, path: str, **kwargs):
@@ -140,10 +141,7 @@ class StableDiffusion3Family(ImageFamily):
             )
         timesteps, steps = retrieve_timesteps(scheduler, req.num_inference_steps, self.device, **scheduler_kwargs)
         if req.task is not Task.TEXT_TO_IMAGE:
-            timesteps, steps = view.get_timesteps(steps, req.strength, self.device)  # sets the begin index
-            if steps < 1:
-                raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
-        latent_timestep = timesteps[:1].repeat(req.n)
+            timesteps = self.strength_timesteps(view, req, steps)
         state: dict[str, Any] = {"scheduler": scheduler, "timesteps": timesteps, "total": len(timesteps),
                                  "decode_extras": {}}
 
@@ -151,25 +149,9 @@ class StableDiffusion3Family(ImageFamily):
         if req.task is Task.TEXT_TO_IMAGE:
             latents = view.prepare_latents(req.n, transformer_channels, req.height, req.width, dtype, self.device,
                                            generator)
-        elif req.task is Task.IMAGE_TO_IMAGE:
-            image = view.image_processor.preprocess(req.image, height=req.height, width=req.width)
-            with self._vae_lock:
-                latents = view.prepare_latents(image, latent_timestep, 1, req.n, dtype, self.device, generator)
         else:
-            init_image = view.image_processor.preprocess(req.image, height=req.height, width=req.width).to(torch.float32)
-            with self._vae_lock:
-                latents, noise, *image_latents = view.prepare_latents(
-                    req.n, view.vae.config.latent_channels, req.height, req.width, dtype, self.device, generator,
-                    image=init_image, timestep=latent_timestep, is_strength_max=req.strength == 1.0,
-                    return_noise=True, return_image_latents=transformer_channels == 16)
-                mask_condition = view.mask_processor.preprocess(req.mask, height=req.height, width=req.width)
-                masked_image = init_image * (mask_condition < 0.5)
-                mask, masked_image_latents = view.prepare_mask_latents(
-                    mask_condition, masked_image, 1, req.n, req.height, req.width, dtype, self.device, generator,
-                    cond["cfg"])
-            state.update(mask=mask, masked_image_latents=masked_image_latents, noise=noise,
-                         image_latents=image_latents[0] if image_latents else None)
-            if not self.inpaint_decode_shift:
+            latents = self.edit_latents(view, req, timesteps, dtype, generator, cond["cfg"], state)
+            if req.task is Task.INPAINTING and not self.inpaint_decode_shift:
                 state["decode_extras"] = {"shift": False}
         state["latents"] = latents
         item.state.update(state)

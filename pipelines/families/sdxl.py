@@ -18,7 +18,7 @@ from diffusers import (StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpain
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import retrieve_timesteps
 
 from pipelines.families.base import ImageFamily
-from pipelines.request import ImageRequest, RequestError, Task
+from pipelines.request import ImageRequest, Task
 from stages.stage import WorkItem
 
 # Micro-conditioning defaults of the diffusers SDXL pipelines (__call__ arguments).
@@ -115,32 +115,14 @@ class StableDiffusionXLFamily(ImageFamily):
             if hasattr(scheduler, "set_begin_index"):
                 scheduler.set_begin_index(0)
         else:
-            timesteps, steps = view.get_timesteps(steps, req.strength, self.device)  # sets the begin index
-            if steps < 1:
-                raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
-        latent_timestep = timesteps[:1].repeat(req.n)
+            timesteps = self.strength_timesteps(view, req, steps)
         state: dict[str, Any] = {"scheduler": scheduler, "timesteps": timesteps, "total": len(timesteps)}
 
         # 2.2 latents
         if req.task is Task.TEXT_TO_IMAGE:
             latents = view.prepare_latents(req.n, unet_channels, req.height, req.width, dtype, self.device, generator)
-        elif req.task is Task.IMAGE_TO_IMAGE:
-            image = view.image_processor.preprocess(req.image, height=req.height, width=req.width)
-            with self._vae_lock:  # may upcast the shared VAE (force_upcast) for the encode
-                latents = view.prepare_latents(image, latent_timestep, 1, req.n, dtype, self.device, generator)
         else:
-            init_image = view.image_processor.preprocess(req.image, height=req.height, width=req.width).to(torch.float32)
-            mask_condition = view.mask_processor.preprocess(req.mask, height=req.height, width=req.width)
-            masked_image = init_image * (mask_condition < 0.5)
-            with self._vae_lock:
-                latents, noise, *image_latents = view.prepare_latents(
-                    req.n, view.vae.config.latent_channels, req.height, req.width, dtype, self.device, generator,
-                    image=init_image, timestep=latent_timestep, is_strength_max=req.strength == 1.0,
-                    return_noise=True, return_image_latents=unet_channels == 4)
-                mask, masked_image_latents = view.prepare_mask_latents(
-                    mask_condition, masked_image, req.n, req.height, req.width, dtype, self.device, generator, cond["cfg"])
-            state.update(mask=mask, masked_image_latents=masked_image_latents, noise=noise,
-                         image_latents=image_latents[0] if image_latents else None)
+            latents = self.edit_latents(view, req, timesteps, dtype, generator, cond["cfg"], state)
 
         # 2.3 scheduler extras
         state["step_kwargs"] = view.prepare_extra_step_kwargs(generator, 0.0)
