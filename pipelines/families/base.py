@@ -95,6 +95,12 @@ class ImageFamily:
         object.__setattr__(view, "scheduler", scheduler)  # bypass register_to_config: the view is private
         return view
 
+    def begin(self, item: WorkItem) -> tuple[ImageRequest, dict, Any, Any, torch.Generator]:
+        """A request's parameters and conditioning, and its private scheduler, pipeline view and generator."""
+        req: ImageRequest = item.inputs["request"]
+        scheduler = self.new_scheduler()
+        return req, item.inputs["cond"], scheduler, self.view(req.task, scheduler), self.generator(req.seed)
+
     def generator(self, seed: int) -> torch.Generator:
         # Seeds mean what diffusers means with torch.Generator("cpu").manual_seed(seed).
         return torch.Generator("cpu").manual_seed(seed)

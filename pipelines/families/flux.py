@@ -97,11 +97,7 @@ class FluxFamily(ImageFamily):
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prepare(self, item: WorkItem) -> None:
-        req: ImageRequest = item.inputs["request"]
-        cond = item.inputs["cond"]
-        scheduler = self.new_scheduler()
-        view = self.view(req.task, scheduler)
-        generator = self.generator(req.seed)
+        req, cond, scheduler, view, generator = self.begin(item)
         dtype = cond["embeds"].dtype
         channels = view.transformer.config.in_channels // 4
         h, w = req.height, req.width

@@ -50,11 +50,7 @@ class StableDiffusionFamily(ImageFamily):
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prepare(self, item: WorkItem) -> None:
-        req: ImageRequest = item.inputs["request"]
-        cond = item.inputs["cond"]
-        scheduler = self.new_scheduler()
-        view = self.view(req.task, scheduler)
-        generator = self.generator(req.seed)
+        req, cond, scheduler, view, generator = self.begin(item)
         dtype = cond["embeds"].dtype
         unet_channels = view.unet.config.in_channels
 
@@ -81,10 +77,24 @@ class StableDiffusionFamily(ImageFamily):
         item.state.update(state)
 
     # -- 3. denoise ------------------------------------------------------------------------
+    def _concat_mask(self, state: dict) -> bool:
+        """Inpainting UNets (9 input channels) see the mask and the masked image's latents."""
+        return "mask" in state and self.pipe.unet.config.in_channels == 9
+
     def denoise_key(self, item: WorkItem) -> Hashable:
+        # CFG on/off need not match: each item brings its own (doubled or not) rows, and every row
+        # of a UNet forward is independent of the others.
         s, cond = item.state, item.inputs["cond"]
         return (tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
-                "mask" in s and self.pipe.unet.config.in_channels == 9, s["timestep_cond"] is not None)
+                self._concat_mask(s), s["timestep_cond"] is not None) + self.added_key(item)
+
+    def added_key(self, item: WorkItem) -> tuple:
+        """Shapes of the added conditioning (none for SD; SDXL's pooled text and time ids)."""
+        return ()
+
+    def added_conditions(self, items: list[WorkItem]) -> dict[str, torch.Tensor] | None:
+        """The UNet's `added_cond_kwargs` for a batch (none for SD)."""
+        return None
 
     @torch.inference_mode()
     def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
@@ -94,7 +104,7 @@ class StableDiffusionFamily(ImageFamily):
             t = s["timesteps"][s["i"]]
             x = torch.cat([s["latents"]] * 2) if cond["cfg"] else s["latents"]
             x = s["scheduler"].scale_model_input(x, t)
-            if "mask" in s and self.pipe.unet.config.in_channels == 9:
+            if self._concat_mask(s):
                 x = torch.cat([x, s["mask"], s["masked_image_latents"]], dim=1)
             inputs.append(x)
             timesteps.append(t.expand(x.shape[0]))  # per-sample timesteps: items sit at different steps
@@ -102,7 +112,8 @@ class StableDiffusionFamily(ImageFamily):
             tconds.append(s["timestep_cond"])
         out = self.pipe.unet(
             torch.cat(inputs), torch.cat(timesteps), encoder_hidden_states=torch.cat(embeds),
-            timestep_cond=torch.cat(tconds) if tconds[0] is not None else None, return_dict=False)[0]
+            timestep_cond=torch.cat(tconds) if tconds[0] is not None else None,
+            added_cond_kwargs=self.added_conditions(items), return_dict=False)[0]
         return self.split(out, [x.shape[0] for x in inputs])
 
     @torch.inference_mode()

@@ -17,7 +17,7 @@ from diffusers import (StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpain
                        StableDiffusionXLPipeline)
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import retrieve_timesteps
 
-from pipelines.families.base import ImageFamily
+from pipelines.families.sd import StableDiffusionFamily
 from pipelines.request import ImageRequest, Task
 from stages.stage import WorkItem
 
@@ -28,7 +28,10 @@ NEGATIVE_AESTHETIC_SCORE = 2.5
 INPAINT_DEFAULT_GUIDANCE = 7.5  # StableDiffusionXLInpaintPipeline's default; the other two use 5.0
 
 
-class StableDiffusionXLFamily(ImageFamily):
+class StableDiffusionXLFamily(StableDiffusionFamily):
+    """SD with two text encoders and added conditioning; the step loop (forward, commit) is SD's."""
+
+
     family = "sdxl"
     class_names = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline")
     pipeline_classes = {
@@ -36,6 +39,7 @@ class StableDiffusionXLFamily(ImageFamily):
         Task.IMAGE_TO_IMAGE: StableDiffusionXLImg2ImgPipeline,
         Task.INPAINTING: StableDiffusionXLInpaintPipeline,
     }
+    load_kwargs = {}
     default_steps = 50
     default_guidance = 5.0  # text-to-image and image-to-image; inpainting: 7.5 (see validate)
 
@@ -101,11 +105,7 @@ class StableDiffusionXLFamily(ImageFamily):
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prepare(self, item: WorkItem) -> None:
-        req: ImageRequest = item.inputs["request"]
-        cond = item.inputs["cond"]
-        scheduler = self.new_scheduler()
-        view = self.view(req.task, scheduler)
-        generator = self.generator(req.seed)
+        req, cond, scheduler, view, generator = self.begin(item)
         dtype = cond["embeds"].dtype
         unet_channels = view.unet.config.in_channels
 
@@ -159,52 +159,12 @@ class StableDiffusionXLFamily(ImageFamily):
         item.state.update(state)
 
     # -- 3. denoise ------------------------------------------------------------------------
-    def _concat_mask(self, state: dict) -> bool:
-        return "mask" in state and self.pipe.unet.config.in_channels == 9
+    def added_key(self, item: WorkItem) -> tuple:
+        return tuple(item.inputs["cond"]["pooled"].shape[1:]), tuple(item.state["time_ids"].shape[1:])
 
-    def denoise_key(self, item: WorkItem) -> Hashable:
-        # CFG on/off need not match: each item brings its own (doubled or not) rows, and every row
-        # of a UNet forward is independent of the others.
-        s, cond = item.state, item.inputs["cond"]
-        return (tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
-                tuple(cond["pooled"].shape[1:]), tuple(s["time_ids"].shape[1:]), self._concat_mask(s),
-                s["timestep_cond"] is not None)
-
-    @torch.inference_mode()
-    def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
-        inputs, timesteps, embeds, pooled, time_ids, tconds = [], [], [], [], [], []
-        for item in items:
-            s, cond = item.state, item.inputs["cond"]
-            t = s["timesteps"][s["i"]]
-            x = torch.cat([s["latents"]] * 2) if cond["cfg"] else s["latents"]
-            x = s["scheduler"].scale_model_input(x, t)
-            if self._concat_mask(s):
-                x = torch.cat([x, s["mask"], s["masked_image_latents"]], dim=1)
-            inputs.append(x)
-            timesteps.append(t.expand(x.shape[0]))  # per-sample timesteps: items sit at different steps
-            embeds.append(cond["embeds"])
-            pooled.append(cond["pooled"])
-            time_ids.append(s["time_ids"])
-            tconds.append(s["timestep_cond"])
-        out = self.pipe.unet(
-            torch.cat(inputs), torch.cat(timesteps), encoder_hidden_states=torch.cat(embeds),
-            timestep_cond=torch.cat(tconds) if tconds[0] is not None else None,
-            added_cond_kwargs={"text_embeds": torch.cat(pooled), "time_ids": torch.cat(time_ids)},
-            return_dict=False)[0]
-        return self.split(out, [x.shape[0] for x in inputs])
-
-    @torch.inference_mode()
-    def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
-        s, req = item.state, item.inputs["request"]
-        i, timesteps = s["i"], s["timesteps"]
-        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], req.guidance_scale)
-        latents = s["scheduler"].step(noise_pred, timesteps[i], s["latents"], **s["step_kwargs"], return_dict=False)[0]
-        if s.get("image_latents") is not None:
-            # Inpainting with a plain UNet: keep the unmasked area on the input image's noise path.
-            init_mask = s["mask"].chunk(2)[0] if item.inputs["cond"]["cfg"] else s["mask"]
-            latents = self.keep_unmasked(s, latents, init_mask, lambda x, t: s["scheduler"].add_noise(x, s["noise"], t))
-        s["latents"] = latents
-        s["i"] = i + 1
+    def added_conditions(self, items: list[WorkItem]) -> dict[str, torch.Tensor]:
+        return {"text_embeds": torch.cat([it.inputs["cond"]["pooled"] for it in items]),
+                "time_ids": torch.cat([it.state["time_ids"] for it in items])}
 
     # -- 4. decode ---------------------------------------------------------------------------
     def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
