@@ -8,6 +8,9 @@ start-up cheap and its address space small.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import hashlib
 import io
 import os
@@ -203,8 +206,21 @@ def _test_allocate(mb: int) -> int:
     return int(block.size)
 
 
-# What a worker agrees to run, by name: the API process can ask for nothing else.
+# What a worker agrees to run, by name: the API process can ask for nothing else. Each media
+# module lists its own functions; the worker looks a name up across WORKER_MODULES.
 WORKER_FUNCTIONS = frozenset({
     "encode_image", "decode_image",
     "_test_echo", "_test_sleep", "_test_crash", "_test_burn_cpu", "_test_allocate",
 })
+WORKER_MODULES = ("stages.media", "stages.media_video", "stages.media_audio")
+
+
+def worker_function(name: str):
+    """The function a worker runs for `name`, or None when no media module offers it."""
+    for module_name in WORKER_MODULES:
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        module = importlib.import_module(module_name)
+        if name in module.WORKER_FUNCTIONS:
+            return getattr(module, name)
+    return None

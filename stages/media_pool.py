@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
-from stages.media import WORKER_FUNCTIONS, MediaError
+from stages.media import MediaError, worker_function
 
 if TYPE_CHECKING:
     from stages.metrics import Metrics
@@ -121,8 +121,8 @@ class MediaPool:
 
     def submit(self, fn_name: str, *args: Any, **kwargs: Any) -> Future:
         """Queue `stages.media.<fn_name>(*args, **kwargs)`; the Future gets its result or a MediaError."""
-        if fn_name not in WORKER_FUNCTIONS:
-            raise ValueError(f"{fn_name!r} is not a media worker function; allowed: {sorted(WORKER_FUNCTIONS)}")
+        if worker_function(fn_name) is None:
+            raise ValueError(f"{fn_name!r} is not a media worker function (see stages.media.WORKER_MODULES)")
         self.start()
         future: Future = Future()
         with self._lock:
@@ -334,9 +334,10 @@ def _worker_main(fd: int, memory_mb: int) -> None:
             return
         _set_cpu_budget(request.cpu_s)
         try:
-            if request.fn_name not in media.WORKER_FUNCTIONS:
+            function = media.worker_function(request.fn_name)
+            if function is None:
                 raise MediaError("media_worker", f"{request.fn_name!r} is not a media worker function")
-            value = getattr(media, request.fn_name)(*request.args, **request.kwargs)
+            value = function(*request.args, **request.kwargs)
             reply = _Reply(request.task_id, value)
         except MemoryError:
             reply = _Reply(request.task_id, error=MediaError(
