@@ -6,11 +6,11 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 from diffusers import FluxPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 
 from pipelines import demo
 from pipelines.demo import FAMILIES, build_demo_model
+from tests.helpers import seeded
 
 PIPELINES = {
     "sd": StableDiffusionPipeline,
@@ -37,8 +37,7 @@ def test_builds_reloads_and_generates_deterministically(family, tmp_path):
     pipe = _load(family, path)
 
     def generate(seed):
-        generator = torch.Generator("cpu").manual_seed(seed)
-        (image,) = pipe("a red cube on a table", num_inference_steps=2, generator=generator).images
+        (image,) = pipe("a red cube on a table", num_inference_steps=2, generator=seeded(seed)).images
         return image
 
     first, again, other = generate(0), generate(0), generate(1)

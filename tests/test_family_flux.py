@@ -4,14 +4,10 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline
-from PIL import Image
 
-from pipelines.config import EngineConfig, ModelSpec
-from pipelines.engine import Engine
 from pipelines.request import ImageRequest, RequestError, Task
-from stages.pool import PoolConfig
+from tests.helpers import half_mask, noise_image, running_engine, seeded, variant
 
 SIZE = 32  # 32 x 32 px -> 16 x 32 x 32 latents -> 256 packed tokens
 
@@ -25,18 +21,14 @@ def flux_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(flux_path):
-    eng = Engine(EngineConfig(models=(ModelSpec("m", flux_path),)))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with running_engine(flux_path) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def batching_engine(flux_path):
-    eng = Engine(EngineConfig(models=(ModelSpec("m", flux_path, pools={"denoise": PoolConfig(max_batch_size=4)}),)))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with running_engine(flux_path, max_batch_size=4) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -44,25 +36,6 @@ def reference(flux_path):
     pipe = FluxPipeline.from_pretrained(flux_path)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def _variant(reference, cls):
-    pipe = cls(**reference.components)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _gen(seed):
-    return torch.Generator("cpu").manual_seed(seed)
-
-
-def _input_image(size=SIZE):
-    rng = np.random.RandomState(0)
-    return Image.fromarray((rng.rand(size, size, 3) * 255).astype("uint8"))
-
-
-def _mask(size=SIZE):
-    return Image.fromarray(((np.arange(size)[None, :].repeat(size, 0) > size // 2) * 255).astype("uint8")).convert("L")
 
 
 def _run(engine, **kwargs):
@@ -83,7 +56,7 @@ def test_text_to_image_equals_diffusers(engine, reference):
     ours = _run(engine, prompt="a red bicycle", n=2, width=SIZE, height=SIZE, num_inference_steps=4,
                 guidance_scale=4.0, seed=11)
     ref = reference("a red bicycle", num_images_per_prompt=2, width=SIZE, height=SIZE, num_inference_steps=4,
-                    guidance_scale=4.0, generator=_gen(11), output_type="np").images
+                    guidance_scale=4.0, generator=seeded(11), output_type="np").images
     assert ours["pixels"].shape == (2, SIZE, SIZE, 3) and ours["seed"] == 11 and len(ours["images"]) == 2
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
@@ -94,7 +67,7 @@ def test_negative_prompt_equals_diffusers(engine, reference, true_cfg):
     ours = _run(engine, prompt="a red bicycle", negative_prompt="blurry", width=SIZE, height=SIZE + 16,
                 num_inference_steps=3, seed=7, extra={"true_cfg_scale": true_cfg})
     ref = reference("a red bicycle", negative_prompt="blurry", true_cfg_scale=true_cfg, width=SIZE, height=SIZE + 16,
-                    num_inference_steps=3, generator=_gen(7), output_type="np").images
+                    num_inference_steps=3, generator=seeded(7), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 
@@ -102,30 +75,30 @@ def test_max_sequence_length_equals_diffusers(engine, reference):
     ours = _run(engine, prompt="a lighthouse", width=SIZE, height=SIZE, num_inference_steps=3, seed=5,
                 extra={"max_sequence_length": 64})
     ref = reference("a lighthouse", max_sequence_length=64, width=SIZE, height=SIZE, num_inference_steps=3,
-                    generator=_gen(5), output_type="np").images
+                    generator=seeded(5), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 
 def test_image_to_image_equals_diffusers(engine, reference):
-    pipe = _variant(reference, FluxImg2ImgPipeline)
-    image = _input_image()
+    pipe = variant(reference, FluxImg2ImgPipeline)
+    image = noise_image(SIZE)
     ours = _run(engine, prompt="a cat", task=Task.IMAGE_TO_IMAGE, image=image, strength=0.6, n=2,
                 num_inference_steps=5, seed=3)
     ref = pipe("a cat", image=image, strength=0.6, num_images_per_prompt=2, height=SIZE, width=SIZE,
-               num_inference_steps=5, guidance_scale=3.5, generator=_gen(3), output_type="np").images
+               num_inference_steps=5, guidance_scale=3.5, generator=seeded(3), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("strength,negative", [(0.8, None), (1.0, "ugly")])
 def test_inpainting_equals_diffusers(engine, reference, strength, negative):
-    pipe = _variant(reference, FluxInpaintPipeline)
-    image, mask = _input_image(), _mask()
+    pipe = variant(reference, FluxInpaintPipeline)
+    image, mask = noise_image(SIZE), half_mask(SIZE)
     extra = {"true_cfg_scale": 3.0} if negative else {}
     ours = _run(engine, prompt="a dog", negative_prompt=negative, task=Task.INPAINTING, image=image, mask=mask,
                 strength=strength, n=2, num_inference_steps=5, seed=4, extra=extra)
     ref = pipe("a dog", negative_prompt=negative, true_cfg_scale=extra.get("true_cfg_scale", 1.0), image=image,
                mask_image=mask, strength=strength, num_images_per_prompt=2, height=SIZE, width=SIZE,
-               num_inference_steps=5, guidance_scale=3.5, generator=_gen(4), output_type="np").images
+               num_inference_steps=5, guidance_scale=3.5, generator=seeded(4), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 

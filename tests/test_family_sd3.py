@@ -6,12 +6,9 @@ import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, StableDiffusion3Pipeline
-from PIL import Image
 
-from pipelines.config import EngineConfig, ModelSpec
-from pipelines.engine import Engine
 from pipelines.request import ImageRequest, RequestError, Task
-from stages.pool import PoolConfig
+from tests.helpers import half_mask, noise_image, running_engine, seeded, variant
 
 
 @pytest.fixture(scope="module")
@@ -32,30 +29,8 @@ def reference(sd3_path):
 @pytest.fixture(scope="module")
 def engine(sd3_path):
     """Batching on (up to 4 requests per denoiser forward); solo requests run alone anyway."""
-    spec = ModelSpec("m", sd3_path, pools={"denoise": PoolConfig(max_batch_size=4)})
-    eng = Engine(EngineConfig(models=(spec,)))
-    eng.start()
-    yield eng
-    eng.shutdown()
-
-
-def _gen(seed):
-    return torch.Generator("cpu").manual_seed(seed)
-
-
-def _input_image(size=64):
-    rng = np.random.RandomState(0)
-    return Image.fromarray((rng.rand(size, size, 3) * 255).astype("uint8"))
-
-
-def _mask(size=64):
-    return Image.fromarray(((np.arange(size)[None, :].repeat(size, 0) > size // 2) * 255).astype("uint8")).convert("L")
-
-
-def _variant(reference, cls):
-    pipe = cls(**reference.components)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    with running_engine(sd3_path, max_batch_size=4) as eng:
+        yield eng
 
 
 def test_family_facts(engine):
@@ -71,7 +46,7 @@ def test_text_to_image_equals_diffusers(engine, reference):
     ours = engine.submit_image("m", ImageRequest(prompt="a red bicycle", negative_prompt="blurry", n=2,
                                                  num_inference_steps=4, guidance_scale=6.0, seed=11)).result()
     ref = reference("a red bicycle", negative_prompt="blurry", num_images_per_prompt=2, num_inference_steps=4,
-                    guidance_scale=6.0, generator=_gen(11), output_type="np").images
+                    guidance_scale=6.0, generator=seeded(11), output_type="np").images
     assert ours["pixels"].shape == ref.shape == (2, 64, 64, 3)
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
@@ -79,14 +54,14 @@ def test_text_to_image_equals_diffusers(engine, reference):
 def test_defaults_and_empty_negative_equal_diffusers(engine, reference):
     # Default size, guidance 7.0 with no negative prompt: the pipeline's negative is "".
     ours = engine.submit_image("m", ImageRequest(prompt="a boat", num_inference_steps=3, seed=5)).result()
-    ref = reference("a boat", num_inference_steps=3, generator=_gen(5), output_type="np").images
+    ref = reference("a boat", num_inference_steps=3, generator=seeded(5), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 
 def test_no_guidance_non_square_equals_diffusers(engine, reference):
     ours = engine.submit_image("m", ImageRequest(prompt="a boat", width=96, height=48, num_inference_steps=3,
                                                  guidance_scale=1.0, seed=5)).result()
-    ref = reference("a boat", width=96, height=48, num_inference_steps=3, guidance_scale=1.0, generator=_gen(5),
+    ref = reference("a boat", width=96, height=48, num_inference_steps=3, guidance_scale=1.0, generator=seeded(5),
                     output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
@@ -94,7 +69,7 @@ def test_no_guidance_non_square_equals_diffusers(engine, reference):
 def test_max_sequence_length_equals_diffusers(engine, reference):
     ours = engine.submit_image("m", ImageRequest(prompt="a boat", num_inference_steps=2, seed=5,
                                                  extra={"max_sequence_length": 77})).result()
-    ref = reference("a boat", num_inference_steps=2, max_sequence_length=77, generator=_gen(5),
+    ref = reference("a boat", num_inference_steps=2, max_sequence_length=77, generator=seeded(5),
                     output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
     with pytest.raises(RequestError) as err:
@@ -103,24 +78,24 @@ def test_max_sequence_length_equals_diffusers(engine, reference):
 
 
 def test_image_to_image_equals_diffusers(engine, reference):
-    pipe = _variant(reference, StableDiffusion3Img2ImgPipeline)
-    image = _input_image()
+    pipe = variant(reference, StableDiffusion3Img2ImgPipeline)
+    image = noise_image()
     ours = engine.submit_image("m", ImageRequest(prompt="a cat", task=Task.IMAGE_TO_IMAGE, image=image, strength=0.6,
                                                  negative_prompt="dark", num_inference_steps=5, n=2,
                                                  seed=3)).result()
     ref = pipe("a cat", image=image, strength=0.6, negative_prompt="dark", num_inference_steps=5,
-               num_images_per_prompt=2, generator=_gen(3), output_type="np").images
+               num_images_per_prompt=2, generator=seeded(3), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 
 def test_inpainting_equals_diffusers(engine, reference):
-    pipe = _variant(reference, StableDiffusion3InpaintPipeline)
-    image, mask = _input_image(), _mask()
+    pipe = variant(reference, StableDiffusion3InpaintPipeline)
+    image, mask = noise_image(), half_mask()
     for strength in (0.75, 1.0):
         ours = engine.submit_image("m", ImageRequest(prompt="a cat", task=Task.INPAINTING, image=image, mask=mask,
                                                      strength=strength, num_inference_steps=5, seed=3)).result()
         ref = pipe("a cat", image=image, mask_image=mask, strength=strength, num_inference_steps=5,
-                   generator=_gen(3), height=64, width=64, output_type="np").images
+                   generator=seeded(3), height=64, width=64, output_type="np").images
         np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 
@@ -160,15 +135,11 @@ def test_with_t5_and_dynamic_shifting_equals_diffusers(sd3_path, reference, tmp_
                                 "tokenizer_3": tokenizer_3, "scheduler": scheduler}).save_pretrained(path)
     pipe = StableDiffusion3Pipeline.from_pretrained(path)  # reloaded: eval mode, as the engine loads it
     pipe.set_progress_bar_config(disable=True)
-    eng = Engine(EngineConfig(models=(ModelSpec("t5", str(path)),)))
-    eng.start()
-    try:
+    with running_engine(str(path), name="t5") as eng:
         assert eng.family("t5").pipe.text_encoder_3 is not None
         ours = eng.submit_image("t5", ImageRequest(prompt="a red bicycle", negative_prompt="blurry", width=96, height=64,
                                                    num_inference_steps=3, seed=7,
                                                    extra={"max_sequence_length": 40})).result()
-    finally:
-        eng.shutdown()
     ref = pipe("a red bicycle", negative_prompt="blurry", width=96, height=64, num_inference_steps=3,
-               max_sequence_length=40, generator=_gen(7), output_type="np").images
+               max_sequence_length=40, generator=seeded(7), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)

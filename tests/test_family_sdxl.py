@@ -11,14 +11,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from pipelines.config import EngineConfig, ModelSpec
 from pipelines.demo import build_demo_model
 from pipelines.engine import Engine
 from pipelines.request import ImageRequest, Task
-from stages.pool import PoolConfig
+from tests.helpers import running_engine, seeded, variant
 
 ATOL = 1e-5  # float tolerance only: the same math in the same order
 
@@ -30,10 +28,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    eng = Engine(EngineConfig(models=(ModelSpec("m", checkpoint),)))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with running_engine(checkpoint) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +38,10 @@ def pipes(checkpoint):
     from diffusers import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
 
     base = StableDiffusionXLPipeline.from_pretrained(checkpoint)  # float32
-    out = {Task.TEXT_TO_IMAGE: base,
-           Task.IMAGE_TO_IMAGE: StableDiffusionXLImg2ImgPipeline(**base.components),
-           Task.INPAINTING: StableDiffusionXLInpaintPipeline(**base.components)}
-    for pipe in out.values():
-        pipe.set_progress_bar_config(disable=True)
-    return out
+    base.set_progress_bar_config(disable=True)
+    return {Task.TEXT_TO_IMAGE: base,
+            Task.IMAGE_TO_IMAGE: variant(base, StableDiffusionXLImg2ImgPipeline),
+            Task.INPAINTING: variant(base, StableDiffusionXLInpaintPipeline)}
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +55,6 @@ def mask():
     m = np.zeros((64, 64), np.uint8)
     m[16:48, 8:40] = 255  # white = repaint
     return Image.fromarray(m).convert("RGB")
-
-
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator("cpu").manual_seed(seed)
 
 
 def run(engine: Engine, request: ImageRequest) -> np.ndarray:
@@ -85,7 +75,7 @@ def test_text_to_image_matches_diffusers(engine, pipes, n, negative, guidance):
                                     num_inference_steps=steps, guidance_scale=guidance, seed=seed))
     ref = pipes[Task.TEXT_TO_IMAGE](
         "a red fox in the snow", negative_prompt=negative, num_images_per_prompt=n, num_inference_steps=steps,
-        guidance_scale=guidance, generator=generator(seed), output_type="np").images
+        guidance_scale=guidance, generator=seeded(seed), output_type="np").images
     assert ours.shape == ref.shape == (n, 64, 64, 3)
     np.testing.assert_allclose(ours, ref, atol=ATOL, rtol=0)
 
@@ -93,7 +83,7 @@ def test_text_to_image_matches_diffusers(engine, pipes, n, negative, guidance):
 def test_text_to_image_non_square(engine, pipes):
     ours = run(engine, ImageRequest(prompt="a lighthouse", width=64, height=96, num_inference_steps=3, seed=5))
     ref = pipes[Task.TEXT_TO_IMAGE]("a lighthouse", width=64, height=96, num_inference_steps=3,
-                                    generator=generator(5), output_type="np").images
+                                    generator=seeded(5), output_type="np").images
     assert ours.shape == ref.shape == (1, 96, 64, 3)
     np.testing.assert_allclose(ours, ref, atol=ATOL, rtol=0)
 
@@ -116,7 +106,7 @@ def test_image_to_image_matches_diffusers(engine, pipes, image, n, strength, neg
                                     guidance_scale=guidance, seed=seed))
     ref = pipes[Task.IMAGE_TO_IMAGE](
         "a watercolor harbour", image=image, strength=strength, negative_prompt=negative, num_images_per_prompt=n,
-        num_inference_steps=steps, guidance_scale=guidance, generator=generator(seed), output_type="np").images
+        num_inference_steps=steps, guidance_scale=guidance, generator=seeded(seed), output_type="np").images
     assert ours.shape == ref.shape == (n, 64, 64, 3)
     np.testing.assert_allclose(ours, ref, atol=ATOL, rtol=0)
 
@@ -132,7 +122,7 @@ def test_inpainting_matches_diffusers(engine, pipes, image, mask, n, strength, n
                                     seed=seed))
     ref = pipes[Task.INPAINTING](
         "a wooden door", image=image, mask_image=mask, strength=strength, negative_prompt=negative,
-        num_images_per_prompt=n, num_inference_steps=steps, generator=generator(seed), output_type="np").images
+        num_images_per_prompt=n, num_inference_steps=steps, generator=seeded(seed), output_type="np").images
     assert ours.shape == ref.shape == (n, 64, 64, 3)
     np.testing.assert_allclose(ours, ref, atol=ATOL, rtol=0)
 
@@ -148,9 +138,7 @@ def test_requests_at_different_steps_share_forwards(engine, checkpoint, image):
     ]
     solo = [run(engine, r) for r in requests]
 
-    batched_engine = Engine(EngineConfig(models=(ModelSpec("m", checkpoint, pools={"denoise": PoolConfig(max_batch_size=4)}),)))
-    batched_engine.start()
-    try:
+    with running_engine(checkpoint, max_batch_size=4) as batched_engine:
         handles, lock = [None] * len(requests), threading.Lock()
 
         def submit(k):
@@ -166,8 +154,6 @@ def test_requests_at_different_steps_share_forwards(engine, checkpoint, image):
             t.join()
         together = [h.result(timeout=120)["pixels"] for h in handles]
         assert batched_engine.metrics.max_batch_size("m/denoise", "m") > 1
-    finally:
-        batched_engine.shutdown()
     for got, want in zip(together, solo):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

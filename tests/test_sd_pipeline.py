@@ -1,20 +1,16 @@
 """Stable Diffusion through the engine: equal to diffusers, batched across requests, cancellable."""
 
-import threading
 import time
 
 import numpy as np
 import pytest
-import torch
 from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline, StableDiffusionPipeline
 from PIL import Image
 
 from pipelines import Pipeline
-from pipelines.config import EngineConfig, ModelSpec
-from pipelines.engine import Engine
 from pipelines.request import ImageRequest, RequestError, Task
 from stages.events import EventKind, StageError
-from stages.pool import PoolConfig
+from tests.helpers import half_mask, noise_image, running_engine, seeded, variant
 
 
 @pytest.fixture(scope="module")
@@ -28,40 +24,21 @@ def reference(sd_path):
 @pytest.fixture(scope="module")
 def engine(sd_path):
     """Batching off: one request per denoiser forward, as the reference runs."""
-    spec = ModelSpec("sd", sd_path, pools={"denoise": PoolConfig(max_batch_size=1)})
-    eng = Engine(EngineConfig(models=(spec,)))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with running_engine(sd_path, name="sd", max_batch_size=1) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def batching_engine(sd_path):
-    spec = ModelSpec("sd", sd_path, pools={"denoise": PoolConfig(max_batch_size=8)})
-    eng = Engine(EngineConfig(models=(spec,)))
-    eng.start()
-    yield eng
-    eng.shutdown()
-
-
-def _gen(seed):
-    return torch.Generator("cpu").manual_seed(seed)
-
-
-def _input_image(size=64):
-    rng = np.random.RandomState(0)
-    return Image.fromarray((rng.rand(size, size, 3) * 255).astype("uint8"))
-
-
-def _mask(size=64):
-    return Image.fromarray(((np.arange(size)[None, :].repeat(size, 0) > size // 2) * 255).astype("uint8")).convert("L")
+    with running_engine(sd_path, name="sd", max_batch_size=8) as eng:
+        yield eng
 
 
 def test_text_to_image_equals_diffusers(engine, reference):
     ours = engine.submit_image("sd", ImageRequest(prompt="a red bicycle", negative_prompt="blurry", n=2,
                                                   num_inference_steps=4, guidance_scale=6.0, seed=11)).result()
     ref = reference("a red bicycle", negative_prompt="blurry", num_images_per_prompt=2, num_inference_steps=4,
-                    guidance_scale=6.0, generator=_gen(11), output_type="np").images
+                    guidance_scale=6.0, generator=seeded(11), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
     assert ours["seed"] == 11 and len(ours["images"]) == 2
 
@@ -69,25 +46,25 @@ def test_text_to_image_equals_diffusers(engine, reference):
 def test_no_guidance_equals_diffusers(engine, reference):
     ours = engine.submit_image("sd", ImageRequest(prompt="a boat", num_inference_steps=3, guidance_scale=1.0,
                                                   seed=5)).result()
-    ref = reference("a boat", num_inference_steps=3, guidance_scale=1.0, generator=_gen(5), output_type="np").images
+    ref = reference("a boat", num_inference_steps=3, guidance_scale=1.0, generator=seeded(5), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 
 def test_image_to_image_equals_diffusers(engine, reference):
-    pipe = StableDiffusionImg2ImgPipeline(**reference.components)
-    image = _input_image()
+    pipe = variant(reference, StableDiffusionImg2ImgPipeline)
+    image = noise_image()
     ours = engine.submit_image("sd", ImageRequest(prompt="a cat", task=Task.IMAGE_TO_IMAGE, image=image, strength=0.6,
                                                   num_inference_steps=5, seed=3)).result()
-    ref = pipe("a cat", image=image, strength=0.6, num_inference_steps=5, generator=_gen(3), output_type="np").images
+    ref = pipe("a cat", image=image, strength=0.6, num_inference_steps=5, generator=seeded(3), output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
 
 def test_inpainting_equals_diffusers(engine, reference):
-    pipe = StableDiffusionInpaintPipeline(**reference.components)
-    image, mask = _input_image(), _mask()
+    pipe = variant(reference, StableDiffusionInpaintPipeline)
+    image, mask = noise_image(), half_mask()
     ours = engine.submit_image("sd", ImageRequest(prompt="a cat", task=Task.INPAINTING, image=image, mask=mask,
                                                   strength=0.75, num_inference_steps=5, seed=3)).result()
-    ref = pipe("a cat", image=image, mask_image=mask, strength=0.75, num_inference_steps=5, generator=_gen(3),
+    ref = pipe("a cat", image=image, mask_image=mask, strength=0.75, num_inference_steps=5, generator=seeded(3),
                height=64, width=64, output_type="np").images
     np.testing.assert_allclose(ours["pixels"], ref, atol=1e-5)
 
@@ -181,7 +158,7 @@ def test_unknown_model_is_404(engine):
 def test_python_api_matches_diffusers_and_streams(sd_path, reference):
     with Pipeline.from_pretrained(sd_path) as pipe:
         images = pipe("a lighthouse", num_inference_steps=3, seed=21)
-        ref = reference("a lighthouse", num_inference_steps=3, generator=_gen(21)).images
+        ref = reference("a lighthouse", num_inference_steps=3, generator=seeded(21)).images
         assert np.array_equal(np.asarray(images[0]), np.asarray(ref[0]))
         handle = pipe.submit("a lighthouse", num_inference_steps=3, seed=21)
         kinds = [e.kind for e in handle.events(timeout=60)]

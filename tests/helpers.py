@@ -1,0 +1,57 @@
+"""Shared set-up for the engine and family tests: a running engine, seeded generators, tiny inputs.
+
+No tests here; test modules import from this file (`from tests.helpers import ...`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipelines.config import EngineConfig, ModelSpec
+from pipelines.engine import Engine
+from stages.pool import PoolConfig
+
+
+@contextmanager
+def running_engine(path: str, *, name: str = "m", max_batch_size: int | None = None, **spec_kwargs) -> Iterator[Engine]:
+    """A started engine serving one model (`name`, from `path`), shut down on exit.
+
+    `max_batch_size` sets the denoise pool's batch limit (None: the default pools); other keyword
+    arguments go to `ModelSpec`.
+    """
+    if max_batch_size is not None:
+        spec_kwargs["pools"] = {**spec_kwargs.get("pools", {}), "denoise": PoolConfig(max_batch_size=max_batch_size)}
+    eng = Engine(EngineConfig(models=(ModelSpec(name, path, **spec_kwargs),)))
+    eng.start()
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A CPU generator seeded as the engine seeds a request (diffusers' `generator=` semantics)."""
+    return torch.Generator("cpu").manual_seed(seed)
+
+
+def noise_image(size: int = 64, seed: int = 0) -> Image.Image:
+    """A square RGB image of uniform noise, the same pixels for the same size and seed."""
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(size, size, 3) * 255).astype("uint8"))
+
+
+def half_mask(size: int = 64) -> Image.Image:
+    """A square L mask: white (repaint) on the columns right of the middle, black elsewhere."""
+    return Image.fromarray(((np.arange(size)[None, :].repeat(size, 0) > size // 2) * 255).astype("uint8")).convert("L")
+
+
+def variant(reference, cls):
+    """The diffusers pipeline `cls` (img2img, inpaint, ...) on `reference`'s components, progress bar off."""
+    pipe = cls(**reference.components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
