@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipelines.request import ImageLimits
+from stages.media import ImageDecodeLimits
 from stages.pool import PoolConfig
 
 
@@ -43,6 +44,7 @@ DEFAULT_POOLS = {
 
 @dataclass(frozen=True)
 class MediaConfig:
+    image: ImageDecodeLimits = ImageDecodeLimits()  # uploads: bytes, pixels, GIF frames, formats
     workers: int = 2  # media worker processes
     task_cpu_s: float = 20.0  # CPU seconds one decode/encode may use
     task_memory_mb: int = 2048  # address-space limit of a media worker

@@ -138,9 +138,9 @@ class Engine:
 
     def decode_image(self, data: bytes, *, param: str, mode: str = "RGB"):
         """Uploaded bytes -> PIL image, decoded with limits in a media worker process."""
-        from stages.media import ImageDecodeLimits, MediaError
+        from stages.media import MediaError
         try:
-            decoded = self.media().run("decode_image", data, ImageDecodeLimits(), mode=mode)
+            decoded = self.media().run("decode_image", data, self.config.media.image, mode=mode)
         except MediaError as exc:
             raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
         return decoded.to_pil()

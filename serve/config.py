@@ -156,10 +156,24 @@ def _fields(cls, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 
 def _build(cls, table: dict[str, Any], where: str):
+    """A config dataclass from a TOML table; nested dataclass fields come from sub-tables
+    ([media.image], ...) and TOML arrays become tuples."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table, got {table!r}")
     _only(table, _fields(cls), where)
-    return cls(**table)
+    values = {}
+    defaults = cls()
+    for key, value in table.items():
+        default = getattr(defaults, key)
+        if dataclasses.is_dataclass(default):
+            value = _build(type(default), value, f"{where[:-1]}.{key}]")
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[key] = value
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
 
 
 def _only(table: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
