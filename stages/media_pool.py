@@ -177,7 +177,7 @@ class MediaPool:
                 continue
             started = time.monotonic()
             if self.metrics is not None:
-                self.metrics.queue_age.labels(stage="media", model="").observe(started - task.enqueued_at)
+                self.metrics.queue_age.labels(stage=f"media/{task.fn_name}", model="").observe(started - task.enqueued_at)
             value, error, lost = None, None, False
             try:
                 if worker is None:
@@ -229,7 +229,12 @@ class MediaPool:
 
     def _finish(self, task: _Task, started: float, value: Any, error: BaseException | None, lost: bool) -> None:
         if self.metrics is not None:
-            self.metrics.run_time.labels(stage="media", model="").observe(time.monotonic() - started)
+            m = self.metrics
+            m.run_time.labels(stage=f"media/{task.fn_name}", model="").observe(time.monotonic() - started)
+            outcome = "ok" if error is None else getattr(error, "code", type(error).__name__)
+            m.media_tasks.labels(function=task.fn_name, outcome=outcome).inc()
+            if task.args and isinstance(task.args[0], (bytes, bytearray)):
+                m.media_bytes.labels(function=task.fn_name).inc(len(task.args[0]))
         with self._lock:
             self.tasks_done += 1
             self.tasks_failed += error is not None

@@ -23,6 +23,10 @@ class Metrics:
         self.requests = Counter("mmserve_requests_total", "HTTP requests by route and status", ["route", "status"], registry=r)
         self.graph_requests = Counter("mmserve_graph_requests_total", "Graph requests by model and outcome",
                                       ["model", "outcome"], registry=r)
+        self.media_tasks = Counter("mmserve_media_tasks_total", "Media worker tasks by function and outcome",
+                                   ["function", "outcome"], registry=r)
+        self.media_bytes = Counter("mmserve_media_input_bytes_total", "Bytes handed to media decode tasks",
+                                   ["function"], registry=r)
         self.cache_hits = Counter("mmserve_cache_hits_total", "Cache hits", ["cache"], registry=r)
         self.cache_misses = Counter("mmserve_cache_misses_total", "Cache misses", ["cache"], registry=r)
         self.cache_bytes = Gauge("mmserve_cache_bytes", "Bytes held by a cache", ["cache"], registry=r)

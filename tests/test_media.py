@@ -185,9 +185,10 @@ def test_results_come_back_from_worker_processes(pool):
 def test_metrics_observe_queue_age_and_run_time(pool):
     before = pool.tasks_done
     pool.run("_test_echo", 1)
-    reg, labels = pool.metrics.registry, {"stage": "media", "model": ""}
+    reg, labels = pool.metrics.registry, {"stage": "media/_test_echo", "model": ""}
     assert reg.get_sample_value("mmserve_stage_queue_age_seconds_count", labels) >= 1
     assert reg.get_sample_value("mmserve_stage_run_seconds_count", labels) >= 1
+    assert reg.get_sample_value("mmserve_media_tasks_total", {"function": "_test_echo", "outcome": "ok"}) >= 1
     assert pool.tasks_done == before + 1
 
 
