@@ -9,7 +9,6 @@ start-up cheap and its address space small.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import hashlib
 import io
@@ -206,21 +205,17 @@ def _test_allocate(mb: int) -> int:
     return int(block.size)
 
 
-# What a worker agrees to run, by name: the API process can ask for nothing else. Each media
-# module lists its own functions; the worker looks a name up across WORKER_MODULES.
-WORKER_FUNCTIONS = frozenset({
-    "encode_image", "decode_image",
-    "_test_echo", "_test_sleep", "_test_crash", "_test_burn_cpu", "_test_allocate",
-})
-WORKER_MODULES = ("stages.media", "stages.media_video", "stages.media_audio")
+# What a worker agrees to run, by name -> module: the API process can ask for nothing else. A
+# worker imports only the module of the function it runs (video never loads for an image task).
+WORKER_FUNCTIONS = {
+    "encode_image": "stages.media", "decode_image": "stages.media",
+    "probe_video": "stages.media_video", "decode_video": "stages.media_video", "encode_video": "stages.media_video",
+    "probe_audio": "stages.media_audio", "decode_audio": "stages.media_audio", "encode_audio": "stages.media_audio",
+    **{name: "stages.media" for name in ("_test_echo", "_test_sleep", "_test_crash", "_test_burn_cpu", "_test_allocate")},
+}
 
 
 def worker_function(name: str):
-    """The function a worker runs for `name`, or None when no media module offers it."""
-    for module_name in WORKER_MODULES:
-        if importlib.util.find_spec(module_name) is None:
-            continue
-        module = importlib.import_module(module_name)
-        if name in module.WORKER_FUNCTIONS:
-            return getattr(module, name)
-    return None
+    """The function a worker runs for `name`, or None when it is not a media worker function."""
+    module = WORKER_FUNCTIONS.get(name)
+    return None if module is None else getattr(importlib.import_module(module), name)

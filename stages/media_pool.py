@@ -122,7 +122,7 @@ class MediaPool:
     def submit(self, fn_name: str, *args: Any, **kwargs: Any) -> Future:
         """Queue `stages.media.<fn_name>(*args, **kwargs)`; the Future gets its result or a MediaError."""
         if worker_function(fn_name) is None:
-            raise ValueError(f"{fn_name!r} is not a media worker function (see stages.media.WORKER_MODULES)")
+            raise ValueError(f"{fn_name!r} is not a media worker function (see stages.media.WORKER_FUNCTIONS)")
         self.start()
         future: Future = Future()
         with self._lock:
