@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from pipelines.request import ImageLimits
 from stages.media import ImageDecodeLimits
+from stages.media_audio import AudioDecodeLimits
+from stages.media_fetch import FetchPolicy
 from stages.pool import PoolConfig
 
 
@@ -45,6 +47,8 @@ DEFAULT_POOLS = {
 @dataclass(frozen=True)
 class MediaConfig:
     image: ImageDecodeLimits = ImageDecodeLimits()  # uploads: bytes, pixels, GIF frames, formats
+    audio: AudioDecodeLimits = AudioDecodeLimits()  # bytes, duration, channels, decoded size, formats
+    fetch: FetchPolicy = FetchPolicy()  # URLs in requests: allow/deny hosts, file:// dirs, byte cap, timeouts
     workers: int = 2  # media worker processes
     task_cpu_s: float = 20.0  # CPU seconds one decode/encode may use
     task_memory_mb: int = 2048  # address-space limit of a media worker

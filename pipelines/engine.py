@@ -145,6 +145,19 @@ class Engine:
             raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
         return decoded.to_pil()
 
+    async def load_source(self, source: str, *, param: str) -> bytes:
+        """The bytes of a `data:` URI, an http(s) URL or an allowed file:// path, fetched safely."""
+        from stages.media import MediaError
+        from stages.media_fetch import load_source
+        try:
+            return await load_source(source, self.config.media.fetch, observe=self._fetch_event)
+        except MediaError as exc:
+            raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
+
+    def _fetch_event(self, outcome) -> None:
+        self.metrics.media_fetches.labels(kind=outcome.kind, outcome=outcome.error_code or "ok").inc()
+        self.metrics.media_fetch_bytes.labels(kind=outcome.kind).inc(outcome.nbytes)
+
     def _cache_event(self, cache: str, kind: str, bytes_held: int) -> None:
         if kind == "hit":
             self.metrics.cache_hits.labels(cache=cache).inc()

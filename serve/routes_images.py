@@ -10,7 +10,7 @@ from serve.auth import tenant_of
 from serve.errors import ApiError
 from serve.responses import respond
 from serve.schemas import ImageEditRequest, ImageGenerationRequest
-from serve.uploads import decode_inputs, edit_size, precheck, read_edit_form
+from serve.uploads import decode_inputs, edit_size, precheck, read_edit_form, read_edit_json
 from stages.events import StageError
 
 router = APIRouter()
@@ -27,13 +27,16 @@ async def create_image(body: ImageGenerationRequest, request: Request, tenant: s
 @router.post("/v1/images/edits")
 async def edit_image(request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
-    # 1. cheap: the form, its text fields, the model, every numeric field
-    upload = await read_edit_form(request, max_file_bytes=request.app.state.max_upload_bytes)
+    # 1. cheap: the form (or JSON with image references), its text fields, the model, every numeric field
+    if request.headers.get("content-type", "").startswith("application/json"):
+        upload = await read_edit_json(request)
+    else:
+        upload = await read_edit_form(request, max_file_bytes=request.app.state.max_upload_bytes)
     params = ImageEditRequest.model_validate(upload.fields)
     task = Task.INPAINTING if upload.mask is not None else Task.IMAGE_TO_IMAGE
     model = resolve_model(engine, params.model, task)
     precheck(engine, model, params.image_request(task=task, tenant=tenant))
-    # 2. decode the uploads (media workers), then run
+    # 2. fetch referenced images (safely), decode (media workers), then run
     image, mask = await decode_inputs(engine, upload)
     default_size = edit_size(image, engine.models[model].size_factor)
     handle = engine.submit_image(model, params.image_request(task=task, tenant=tenant, image=image, mask=mask,

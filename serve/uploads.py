@@ -25,15 +25,46 @@ FILE_FIELDS = {"image": "image", "image[]": "image", "mask": "mask"}  # the open
 @dataclass
 class EditUpload:
     fields: dict[str, Any]  # text fields, validated next by ImageEditRequest
-    image: bytes
-    mask: bytes | None
+    image: bytes | str  # uploaded bytes, or a source to fetch (data: URI, http(s) URL, allowed file://)
+    mask: bytes | str | None
+    image_param: str = "image"  # the field errors name: "image" (multipart) or "images" (JSON)
+
+
+async def read_edit_json(request: Request) -> EditUpload:
+    """A JSON edit request: images as `{"image_url": ...}` references (OpenAI's JSON form of edits)."""
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    images = body.pop("images", None)
+    if images is None and "image" in body:  # a single reference, for clients that send one
+        images = [body.pop("image")]
+    if not isinstance(images, list) or len(images) != 1:
+        raise ApiError(400, "send exactly one image in 'images' (a list of {\"image_url\": ...}); these models "
+                            "edit one image", param="images", code="invalid_value")
+    mask = body.pop("mask", None)
+    return EditUpload(body, _image_reference(images[0], "images"), None if mask is None else _image_reference(mask, "mask"),
+                      image_param="images")
+
+
+def _image_reference(value: Any, param: str) -> str:
+    url = value.get("image_url") if isinstance(value, dict) else value
+    if isinstance(url, dict):  # {"image_url": {"url": ...}} as in chat messages
+        url = url.get("url")
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"'{param}' must be {{\"image_url\": \"<data:, http(s):// or file:// URL>\"}}",
+                       param=param, code="invalid_value")
+    return url
 
 
 async def read_edit_form(request: Request, *, max_file_bytes: int) -> EditUpload:
     """Parse the multipart body; 400 naming the part on anything malformed, 413 on an oversized file."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
-        raise ApiError(400, f"/v1/images/edits takes multipart/form-data (with the image as a file part); "
+        raise ApiError(400, f"/v1/images/edits takes multipart/form-data (with the image as a file part) or JSON with "
+                            f"image references; "
                             f"got Content-Type {content_type or 'none'!r}", code="invalid_content_type")
     declared = int(request.headers.get("content-length") or 0)
     if declared > 2 * max_file_bytes + 2**20:  # image + mask + text fields: refuse before reading a byte
@@ -95,12 +126,15 @@ def precheck(engine, model: str, request: ImageRequest) -> None:
 
 
 async def decode_inputs(engine, upload: EditUpload):
-    """(image, mask or None) as PIL images, decoded concurrently in the media workers."""
-    image_job = asyncio.to_thread(engine.decode_image, upload.image, param="image", mode="RGB")
+    """(image, mask or None) as PIL images: fetched if referenced, decoded concurrently in the media workers."""
+    async def decode(source: bytes | str, param: str, mode: str):
+        data = source if isinstance(source, bytes) else await engine.load_source(source, param=param)
+        return await asyncio.to_thread(engine.decode_image, data, param=param, mode=mode)
+
+    image_job = decode(upload.image, upload.image_param, "RGB")
     if upload.mask is None:
         return await image_job, None
-    image, mask_rgba = await asyncio.gather(
-        image_job, asyncio.to_thread(engine.decode_image, upload.mask, param="mask", mode="RGBA"))
+    image, mask_rgba = await asyncio.gather(image_job, decode(upload.mask, "mask", "RGBA"))
     return image, await asyncio.to_thread(repaint_mask, mask_rgba)
 
 

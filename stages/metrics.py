@@ -27,6 +27,10 @@ class Metrics:
                                    ["function", "outcome"], registry=r)
         self.media_bytes = Counter("mmserve_media_input_bytes_total", "Bytes handed to media decode tasks",
                                    ["function"], registry=r)
+        self.media_fetches = Counter("mmserve_media_fetch_total", "Media sources fetched, by kind and outcome",
+                                     ["kind", "outcome"], registry=r)
+        self.media_fetch_bytes = Counter("mmserve_media_fetch_bytes_total", "Bytes fetched for media sources",
+                                         ["kind"], registry=r)
         self.cache_hits = Counter("mmserve_cache_hits_total", "Cache hits", ["cache"], registry=r)
         self.cache_misses = Counter("mmserve_cache_misses_total", "Cache misses", ["cache"], registry=r)
         self.cache_bytes = Gauge("mmserve_cache_bytes", "Bytes held by a cache", ["cache"], registry=r)
