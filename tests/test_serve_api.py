@@ -212,8 +212,10 @@ def test_edit_errors_name_the_field(server):
     malformed = httpx.post(f"{server.url}/v1/images/edits", content=b"--xyz\r\nnot a part\r\n",
                            headers={"content-type": "multipart/form-data"})
     assert_error(malformed, 400, None, "invalid_multipart")
-    as_json = httpx.post(f"{server.url}/v1/images/edits", json={"prompt": "x"})
-    assert_error(as_json, 400, None, "invalid_content_type")
+    as_json = httpx.post(f"{server.url}/v1/images/edits", json={"prompt": "x"})  # JSON edits reference images
+    assert_error(as_json, 400, "images", "invalid_value")
+    as_text = httpx.post(f"{server.url}/v1/images/edits", content=b"prompt=x", headers={"content-type": "text/plain"})
+    assert_error(as_text, 400, None, "invalid_content_type")
 
 
 def huge_png() -> bytes:
