@@ -8,6 +8,7 @@ from pipelines.request import ImageLimits
 from stages.media import ImageDecodeLimits
 from stages.media_audio import AudioDecodeLimits
 from stages.media_fetch import FetchPolicy
+from stages.media_video import VideoDecodeLimits
 from stages.pool import PoolConfig
 
 
@@ -47,6 +48,7 @@ DEFAULT_POOLS = {
 @dataclass(frozen=True)
 class MediaConfig:
     image: ImageDecodeLimits = ImageDecodeLimits()  # uploads: bytes, pixels, GIF frames, formats
+    video: VideoDecodeLimits = VideoDecodeLimits()  # bytes, pixels, duration, frames returned, decoded size
     audio: AudioDecodeLimits = AudioDecodeLimits()  # bytes, duration, channels, decoded size, formats
     fetch: FetchPolicy = FetchPolicy()  # URLs in requests: allow/deny hosts, file:// dirs, byte cap, timeouts
     workers: int = 2  # media worker processes

@@ -87,6 +87,54 @@ def test_lying_headers(width, height):
         _decodes_or_refuses(data)
 
 
+# -- video and audio ---------------------------------------------------------------------------
+
+def _media_samples() -> dict[str, tuple[str, bytes]]:
+    from stages.media_audio import encode_audio
+    from stages.media_video import encode_video
+
+    frames = (np.random.RandomState(1).rand(6, 32, 32, 3) * 255).astype("uint8")
+    tone = np.sin(np.linspace(0, 200 * np.pi, 8000)).astype("float32") * 0.5
+    out = {f"video/{fmt}": ("video", encode_video(frames, 6, fmt)) for fmt in ("mp4", "webm", "gif")}
+    out.update({f"audio/{fmt}": ("audio", encode_audio(tone, 16000, fmt)) for fmt in ("wav", "mp3", "opus", "flac", "aac")})
+    return out
+
+
+MEDIA = _media_samples()
+
+
+def _av_decodes_or_refuses(kind: str, data: bytes) -> None:
+    from stages.media_audio import AudioDecodeLimits, decode_audio
+    from stages.media_video import VideoDecodeLimits, decode_video
+
+    try:
+        if kind == "video":
+            out = decode_video(data, VideoDecodeLimits(max_bytes=1 << 20, max_frames=64), num_frames=4)
+            assert out.frames.shape[0] <= 64
+        else:
+            out = decode_audio(data, AudioDecodeLimits(max_bytes=1 << 20, max_duration_s=60))
+            assert out.samples.ndim == 1 and len(out.samples) <= 60 * out.sample_rate
+    except MediaError as e:
+        assert e.code.startswith("media_"), e.code
+
+
+@FUZZ
+@given(st.sampled_from(sorted(MEDIA)), st.floats(0, 1),
+       st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=6))
+def test_video_and_audio_truncated_and_corrupted(name, fraction, edits):
+    kind, data = MEDIA[name]
+    data = bytearray(data[: max(1, int(len(data) * fraction))])
+    for pos, value in edits:
+        data[pos % len(data)] = value
+    _av_decodes_or_refuses(kind, bytes(data))
+
+
+@FUZZ
+@given(st.sampled_from(["video", "audio"]), st.binary(max_size=2048))
+def test_video_and_audio_random_bytes(kind, data):
+    _av_decodes_or_refuses(kind, data)
+
+
 # -- through the server ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
