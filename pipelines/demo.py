@@ -34,8 +34,12 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("sd", "sdxl", "sd3", "flux")
-SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",)}
+from pipelines.demo_llm import build_chat_model
+
+FAMILIES = ("sd", "sdxl", "sd3", "flux")  # diffusion pipelines
+CHAT_FAMILIES = ("llama", "qwen2")  # causal LMs (chat); "qwen2" is built on request, not by default
+SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",),
+          "llama": ("tiny", "small"), "qwen2": ("tiny",)}
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
 RECIPE_VERSION = 1  # bump when a builder changes, so existing demo checkpoints are rebuilt
 
@@ -278,7 +282,9 @@ def _build_flux(seed: int, scale: str):
     )
 
 
-_BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _build_flux}
+_BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _build_flux,
+             "llama": lambda seed, scale: build_chat_model("llama", seed, scale),
+             "qwen2": lambda seed, scale: build_chat_model("qwen2", seed, scale)}
 
 
 # 4. Atomic, idempotent writes
@@ -292,7 +298,7 @@ def _read_stamp(out_dir: Path) -> dict | None:
 
 
 def _is_built(out_dir: Path, stamp: dict) -> bool:
-    return (out_dir / "model_index.json").is_file() and _read_stamp(out_dir) == stamp
+    return _read_stamp(out_dir) == stamp  # the stamp is written last: its presence means complete
 
 
 def _install(tmp: Path, out_dir: Path, stamp: dict) -> None:
@@ -317,7 +323,7 @@ def _install(tmp: Path, out_dir: Path, stamp: dict) -> None:
 def build_demo_model(family: str, out_dir: str | Path, *, seed: int = 0, scale: str = "tiny") -> Path:
     """Write a complete diffusers checkpoint of `family` to out_dir; a no-op if it is already there."""
     if family not in _BUILDERS:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+        raise ValueError(f"family must be one of {tuple(_BUILDERS)}, got {family!r}")
     if scale not in SCALES[family]:
         raise ValueError(f"scale for {family!r} must be one of {SCALES[family]}, got {scale!r}")
     out_dir = Path(out_dir)

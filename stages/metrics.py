@@ -31,6 +31,19 @@ class Metrics:
                                      ["kind", "outcome"], registry=r)
         self.media_fetch_bytes = Counter("mmserve_media_fetch_bytes_total", "Bytes fetched for media sources",
                                          ["kind"], registry=r)
+        # The llm stage (DESIGN §6).
+        self.llm_ttft = Histogram("mmserve_llm_time_to_first_token_seconds", "Admission to first token",
+                                  ["model"], buckets=_TIME_BUCKETS, registry=r)
+        self.llm_itl = Histogram("mmserve_llm_inter_token_latency_seconds", "Time between a request's tokens",
+                                 ["model"], buckets=_TIME_BUCKETS, registry=r)
+        self.llm_tokens = Counter("mmserve_llm_generated_tokens_total", "Tokens sampled", ["model"], registry=r)
+        self.llm_running = Gauge("mmserve_llm_running_sequences", "Sequences holding KV blocks", ["model"], registry=r)
+        self.llm_waiting = Gauge("mmserve_llm_waiting_sequences", "Sequences waiting for blocks", ["model"], registry=r)
+        self.llm_blocks = Gauge("mmserve_llm_kv_blocks", "KV blocks by state (free, used, cached)",
+                                ["model", "state"], registry=r)
+        self.llm_prefix_hit_tokens = Gauge("mmserve_llm_prefix_cache_hit_tokens", "Prompt tokens served from the "
+                                           "prefix cache", ["model"], registry=r)
+        self.llm_preemptions = Gauge("mmserve_llm_preemptions", "Sequences preempted (recompute)", ["model"], registry=r)
         self.cache_hits = Counter("mmserve_cache_hits_total", "Cache hits", ["cache"], registry=r)
         self.cache_misses = Counter("mmserve_cache_misses_total", "Cache misses", ["cache"], registry=r)
         self.cache_bytes = Gauge("mmserve_cache_bytes", "Bytes held by a cache", ["cache"], registry=r)

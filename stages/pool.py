@@ -170,6 +170,7 @@ class StagePool:
             for item in [i for i in active if i.request.should_stop()]:
                 active.remove(item)
                 self._m_active.dec()
+                stage.abort(item)
                 self._drop(item, None)
             if not active:
                 self._set_active(worker, 0)
@@ -200,9 +201,11 @@ class StagePool:
                     if item in active:
                         active.remove(item)
                         self._m_active.dec()
+                        stage.abort(item)
                 self._fail_all(batch, exc)
             self._set_active(worker, len(active))
         for item in active:
+            stage.abort(item)
             self._drop(item, StageError("shutting_down", "the server is shutting down", status=503))
 
     def _admit_to_loop(self, worker: int, active: list[WorkItem]) -> list[WorkItem] | None:

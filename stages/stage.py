@@ -64,6 +64,10 @@ class LoopStage(Stage):
     def start(self, item: WorkItem) -> None:
         """Prepare per-item state (stored on item.state) before its first step."""
 
+    def abort(self, item: WorkItem) -> None:
+        """Release what `start` acquired for an item that leaves without finishing (cancel,
+        deadline, failure). Called between steps, so no forward still uses it."""
+
     def step(self, items: list[WorkItem]) -> None:
         """Advance every item by one step (items may be at different positions)."""
         raise NotImplementedError

@@ -1,0 +1,58 @@
+"""Paged attention as a transformers attention implementation ("mmserve_paged").
+
+The model runs with `config._attn_implementation = "mmserve_paged"`; each attention layer
+calls `paged_attention_forward` with this step's (post-RoPE) query/key/value of the packed
+batch. It writes the new K/V into the paged cache at the step's slots, then attends over each
+sequence's cached context through its block table: the Triton decode kernel when every row is
+a decode on the GPU, else the torch reference (mixed prefill/decode, and the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from stages.llm.paged_attention import decode_attention, paged_attention_reference, write_kv
+
+ATTN_IMPLEMENTATION = "mmserve_paged"
+
+
+@dataclass
+class PagedMetadata:
+    """What every layer needs for one forward, built from the launch record (the Plan)."""
+
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, Hkv, D]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] physical slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] cumulative query lengths of the packed batch
+    context_lens: torch.Tensor  # [B] cached tokens per sequence, this step's included
+    block_tables: torch.Tensor  # [B, max_blocks]
+    all_decode: bool  # every sequence feeds exactly one token
+
+
+def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                            scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                            softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    meta: PagedMetadata = kwargs["paged"]
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), meta.k_caches[layer], meta.v_caches[layer],
+             meta.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if meta.all_decode and sliding_window is None and softcap is None:
+        out = decode_attention(q, meta.k_caches[layer], meta.v_caches[layer], meta.block_tables, meta.context_lens,
+                               scale)
+    else:
+        out = paged_attention_reference(q, meta.k_caches[layer], meta.v_caches[layer],
+                                        query_start_loc=meta.query_start_loc, context_lens=meta.context_lens,
+                                        block_tables=meta.block_tables, scale=scale, sliding_window=sliding_window,
+                                        soft_cap=softcap)
+    return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+
+
+def register() -> str:
+    """Register the implementation with transformers (idempotent); returns its name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

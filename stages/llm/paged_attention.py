@@ -1,0 +1,203 @@
+"""Attention over the paged KV cache: the KV write, the torch reference and the decode dispatcher.
+
+Cache layout, per layer: `k_cache`, `v_cache` are [num_blocks, block_size, num_kv_heads,
+head_dim]; token position p of a sequence lives in physical slot
+`block_table[p // block_size] * block_size + p % block_size` of the flattened cache.
+
+Semantics shared by every implementation here (and by the Triton kernel):
+* a batch is packed varlen: sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]`;
+* `context_lens[b]` counts the sequence's tokens in the cache *including* this step's new ones
+  (written by `write_kv` before attention runs), so query row j of a q_len-row sequence sits at
+  position `context_len - q_len + j` and sees the positions <= that (causal);
+* `sliding_window` W keeps keys with position > query position - W (the query itself plus
+  W - 1 earlier tokens, as transformers' sliding masks do);
+* `soft_cap` c maps each scaled score s to c * tanh(s / c) before the softmax (Gemma 2);
+* GQA: query head h reads kv head h // (Hq // Hkv), the `repeat_kv` convention of transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+
+
+def _check_options(scale: float, sliding_window: int | None, soft_cap: float | None) -> None:
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be None or > 0, got {soft_cap}")
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, -1 = padding row, not written
+) -> None:
+    """Store this step's keys and values in their physical slots, in place."""
+    _check_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_dim) or value.shape != key.shape:
+        raise ValueError(
+            f"key and value must both be [T, {num_kv_heads}, {head_dim}] to match the cache, "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [T] = [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    # view, not reshape: a copy would silently swallow the write.
+    k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    # Boolean indexing syncs on CUDA; padding rows are rare enough that clarity wins here.
+    slots, key, value = slots[keep], key[keep], value[keep]
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _gather_positions(
+    cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:  # [len(positions), Hkv, D]
+    """One sequence's cached rows at `positions`, read through its block table."""
+    block_size = cache.shape[1]
+    blocks = block_table[positions // block_size].long()
+    slots = blocks * block_size + positions % block_size
+    return cache.view(-1, cache.shape[2], cache.shape[3])[slots]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    *,
+    query_start_loc: torch.Tensor,  # [B + 1] cumulative query lengths
+    context_lens: torch.Tensor,  # [B] cached tokens incl. this step's
+    block_tables: torch.Tensor,  # [B, max_blocks], padding entries unread
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:  # [T, Hq, D], query dtype
+    """Causal attention of a packed mixed prefill/decode batch over the paged cache, in float32.
+
+    Plain per-sequence math, chosen for being obviously right rather than fast; it is the
+    yardstick for the kernels and the fallback on devices without them.
+    """
+    _check_cache(k_cache, v_cache)
+    _check_options(scale, sliding_window, soft_cap)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"query must be [T, Hq, {head_dim}] with Hq a multiple of num_kv_heads={num_kv_heads}, "
+            f"got {tuple(query.shape)}"
+        )
+    num_seqs = context_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc must be [B + 1] and block_tables [B, max_blocks] for B={num_seqs} "
+            f"context_lens, got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}"
+        )
+    groups = query.shape[1] // num_kv_heads
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    device = k_cache.device
+    for b in range(num_seqs):
+        q_start, q_end, ctx = starts[b], starts[b + 1], lens[b]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if not 0 < q_len <= ctx:
+            raise ValueError(
+                f"context_lens[{b}]={ctx} must be >= the sequence's query length {q_len} "
+                "(the new tokens are written to the cache before attention)"
+            )
+        if (ctx + k_cache.shape[1] - 1) // k_cache.shape[1] > block_tables.shape[1]:
+            raise ValueError(f"block_tables[{b}] has {block_tables.shape[1]} blocks, too few for {ctx} tokens")
+        key_pos = torch.arange(ctx, device=device)
+        table = block_tables[b].to(device)
+        k = _gather_positions(k_cache, table, key_pos).float()  # [ctx, Hkv, D]
+        v = _gather_positions(v_cache, table, key_pos).float()
+        q = query[q_start:q_end].float().reshape(q_len, num_kv_heads, groups, head_dim)
+        # [Hkv, G, q_len, D] @ [Hkv, 1, D, ctx] -> [Hkv, G, q_len, ctx]
+        scores = q.permute(1, 2, 0, 3) @ k.permute(1, 2, 0).unsqueeze(1) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        query_pos = torch.arange(ctx - q_len, ctx, device=device)
+        visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, ctx]
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        # [Hkv, G, q_len, ctx] @ [Hkv, 1, ctx, D] -> [Hkv, G, q_len, D]
+        attn = probs @ v.permute(1, 0, 2).unsqueeze(1)
+        out[q_start:q_end] = attn.permute(2, 0, 1, 3).reshape(q_len, -1, head_dim).to(query.dtype)
+    return out
+
+
+def paged_decode_torch(
+    query: torch.Tensor,  # [B, Hq, D], one new token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    context_lens: torch.Tensor,  # [B]
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention in torch: the reference with every sequence's q_len = 1."""
+    starts = torch.arange(query.shape[0] + 1, dtype=torch.long, device=query.device)
+    return paged_attention_reference(
+        query,
+        k_cache,
+        v_cache,
+        query_start_loc=starts,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+
+
+def decode_attention(
+    query: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    context_lens: torch.Tensor,  # [B]
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    use_triton: bool | None = None,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention with the Triton kernel on CUDA tensors, torch elsewhere.
+
+    `use_triton=None` decides by device; True forces the kernel (CPU tensors then need the
+    Triton interpreter, `TRITON_INTERPRET=1` set before triton is imported); False forces torch.
+    """
+    if use_triton is None:
+        use_triton = query.is_cuda
+    if not use_triton:
+        return paged_decode_torch(
+            query, k_cache, v_cache, block_tables, context_lens, scale,
+            sliding_window=sliding_window, soft_cap=soft_cap,
+        )
+    # Imported here so the torch path works where triton is not installed.
+    from stages.llm.triton_decode import paged_decode
+
+    return paged_decode(
+        query, k_cache, v_cache, block_tables, context_lens, scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+    )

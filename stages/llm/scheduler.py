@@ -1,0 +1,182 @@
+"""Iteration-level scheduling: which sequences run this step, with how many tokens (policy only).
+
+Each step: running sequences first (one decode token each, or their next prefill chunk), then
+waiting ones FCFS while the sequence cap, the token budget and free blocks allow. Blocks are
+allocated when a sequence is picked, not when it is admitted (admission only checks that it
+can ever fit). When a running sequence cannot get a block, the most recently admitted running
+sequence is preempted by recompute: its blocks are freed and it waits at the front of the queue.
+
+The Plan a step returns is the launch record: immutable rows (sequence, positions, slots, a
+frozen copy of the block table). The runner and the commit read the plan, never the live lists.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from stages.llm.blocks import BlockManager, BlockTable
+from stages.llm.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences in one forward
+    max_num_batched_tokens: int = 2048  # tokens in one forward (prefill chunks + one per decode)
+    max_prefill_chunk: int | None = None  # cap on one sequence's prefill chunk (None: the token budget)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be >= 1 or None, got {self.max_prefill_chunk}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One row group of a forward: tokens [start, start + len(token_ids)) of one sequence."""
+
+    seq: Sequence
+    start: int  # first position computed in this forward
+    token_ids: tuple[int, ...]  # the tokens fed at those positions
+    slots: tuple[int, ...]  # physical KV slot of each position
+    block_ids: tuple[int, ...]  # frozen copy of the block table at launch
+    sample: bool  # the chunk reaches the last known token: its logits give the next token
+
+    @property
+    def context_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Plan:
+    chunks: tuple[Chunk, ...]  # rows of this forward, in order
+    copies: tuple[tuple[int, int], ...]  # copy-on-write block copies (src, dst) to apply before the forward
+    preempted: tuple[Sequence, ...]  # sequences that lost their blocks this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig):
+        self.blocks = blocks
+        self.config = config
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- admission and removal ----------------------------------------------------------------
+    def check_fits(self, num_tokens: int) -> None:
+        """Phase-2 admission: a sequence that could never fit in the whole cache is refused now."""
+        need = self.blocks.blocks_needed(num_tokens)
+        total = self.blocks.num_free_blocks + self.blocks.num_used_blocks
+        if need > total:
+            raise ValueError(f"{num_tokens} tokens need {need} KV blocks; the cache has {total}")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_tokens + 1)
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Leave the scheduler and release blocks (idempotent). Call only between forwards."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table is not None:
+            self.blocks.free(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sequence (n > 1) that already shares its parent's blocks."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        # 1. running sequences, in admission order: a decode token or the next prefill chunk
+        for seq in list(self.running):
+            if budget <= 0 or seq.status is not SeqStatus.RUNNING:
+                continue
+            n = self._chunk_len(seq, budget)
+            while not self.blocks.can_append(seq.block_table, self._new_slots(seq, n)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            copies += self.blocks.append(seq.block_table, seq.token_ids, self._new_slots(seq, n))
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+
+        # 2. waiting sequences, FCFS, while a slot, the budget and blocks allow (none after a preemption)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq.token_ids, seq.namespace):
+                break
+            self.waiting.popleft()
+            seq.block_table = BlockTable(block_ids=[])
+            self.blocks.allocate(seq.block_table, seq.token_ids, seq.namespace)
+            seq.num_computed_tokens = seq.block_table.num_cached_tokens
+            if not seq.output_ids:  # a resumed (preempted) sequence keeps its first count
+                seq.num_cached_tokens = seq.block_table.num_cached_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = self._chunk_len(seq, budget)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        return Plan(tuple(chunks), tuple(copies), tuple(preempted))
+
+    def commit(self, plan: Plan) -> None:
+        """After the forward completed: the chunks' KV is written (sequences still alive only)."""
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.status is SeqStatus.RUNNING and seq.block_table is not None:
+                seq.num_computed_tokens = max(seq.num_computed_tokens, chunk.context_len)
+                self.blocks.mark_computed(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.namespace)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed, budget)
+        if self.config.max_prefill_chunk is not None and seq.num_uncomputed > 1:
+            n = min(n, self.config.max_prefill_chunk)
+        return max(n, 1)
+
+    @staticmethod
+    def _new_slots(seq: Sequence, n: int) -> int:
+        return max(0, seq.num_computed_tokens + n - seq.block_table.num_tokens)
+
+    def _chunk(self, seq: Sequence, n: int) -> Chunk:
+        start = seq.num_computed_tokens
+        table = seq.block_table
+        return Chunk(seq, start, tuple(seq.token_ids[start:start + n]),
+                     tuple(self.blocks.slot_mapping(table, start, start + n)), tuple(table.block_ids),
+                     sample=start + n == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free every block; the sequence re-prefills prompt + outputs later."""
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table = None
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,51 @@
+"""One generated sequence: its tokens, how many of them have KV, its blocks and its stop state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class SeqStatus(str, enum.Enum):
+    WAITING = "waiting"  # admitted (capacity reserved), no blocks yet, or preempted back here
+    RUNNING = "running"  # holds blocks; prefilling or decoding
+    FINISHED = "finished"  # stopped (stop/length) or aborted; blocks released
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int  # unique within the engine
+    index: int  # choice index within its request (n > 1)
+    prompt_ids: list[int]  # the prompt, never changed
+    params: Any  # SamplingParams
+    namespace: tuple  # prefix-cache identity: (weights id, adapter, tenant)
+    generator: torch.Generator  # this sequence's own RNG stream
+    output_ids: list[int] = field(default_factory=list)  # sampled tokens, in order
+    num_computed_tokens: int = 0  # tokens whose KV is written (known tokens = prompt + output)
+    block_table: Any = None  # BlockTable, owned through the BlockManager
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first allocation)
+    num_preemptions: int = 0
+    arrival: float = 0.0  # admission time (FCFS order)
+    output: Any = None  # streaming text state (detokenizer + stop matcher), owned by the stage
+    logprobs: list = field(default_factory=list)  # per output token, when asked
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

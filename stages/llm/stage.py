@@ -1,0 +1,198 @@
+"""The llm stage: continuous batching as a LoopStage. Each pool step is one engine iteration.
+
+Plan (scheduler) -> run (runner, one packed forward) -> commit (sample, stream, stop, release).
+Every sequence of every admitted request takes part in the scheduler's plan; the pool's loop
+only carries the items (requests) in and out at step boundaries, where a cancelled request's
+blocks are released (no forward is in flight between steps: release after completion).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+
+from stages.events import EventKind, StageError
+from stages.llm.blocks import BlockManager, BlockTable
+from stages.llm.detokenizer import OutputText
+from stages.llm.params import SamplingParams
+from stages.llm.runner import ModelRunner
+from stages.llm.sampling import make_generator, sample
+from stages.llm.scheduler import Plan, Scheduler, SchedulerConfig
+from stages.llm.sequence import SeqStatus, Sequence
+from stages.metrics import Metrics
+from stages.stage import LoopStage, WorkItem
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the llm stage runs: token ids and sampling, already validated."""
+
+    prompt_ids: tuple[int, ...]  # the rendered, tokenized prompt
+    params: SamplingParams
+    namespace: Hashable  # prefix-cache identity beyond the tokens: (weights id, adapter, tenant)
+
+
+class LLMStage(LoopStage):
+    kind = "llm"
+
+    def __init__(self, model: str, runner: ModelRunner, tokenizer, scheduler: SchedulerConfig, metrics: Metrics,
+                 eos_token_ids: tuple[int, ...]):
+        self.model = model
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.blocks = BlockManager(runner.num_blocks, runner.kv.block_size)
+        self.scheduler = Scheduler(self.blocks, scheduler)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.metrics = metrics
+        self._ids = itertools.count()
+        self._owner: dict[int, WorkItem] = {}  # seq id -> its request's item
+
+    def batch_key(self, item: WorkItem) -> Hashable:
+        return "llm"  # one scheduler decides; every active item is in the step
+
+    # -- requests in and out --------------------------------------------------------------------
+    def start(self, item: WorkItem) -> None:
+        req: GenerationRequest = item.inputs["request"]
+        if len(req.prompt_ids) >= self.runner.max_context:
+            raise StageError("context_length_exceeded", f"the prompt is {len(req.prompt_ids)} tokens; this model's "
+                             f"context is {self.runner.max_context}", param="messages", status=400)
+        seq = self._new_seq(req, index=0, generator=make_generator(req.params.seed))
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            raise StageError("context_length_exceeded", str(e), param="messages", status=400) from None
+        self._owner[seq.seq_id] = item
+        item.state.update(seqs=[seq], pending_children=req.params.n - 1, started=time.monotonic(), first=None,
+                          last=None)
+
+    def abort(self, item: WorkItem) -> None:
+        for seq in item.state.get("seqs", ()):
+            self._finish_seq(seq, "abort")
+
+    def is_done(self, item: WorkItem) -> bool:
+        return not item.state["pending_children"] and all(s.finished for s in item.state["seqs"])
+
+    def finish(self, item: WorkItem) -> dict[str, Any]:
+        seqs = sorted(item.state["seqs"], key=lambda s: s.index)
+        prompt = len(item.inputs["request"].prompt_ids)
+        choices = [{"index": s.index, "text": s.output.text, "token_ids": list(s.output_ids),
+                    "finish_reason": s.finish_reason, "logprobs": s.logprobs or None} for s in seqs]
+        usage = {"prompt_tokens": prompt, "completion_tokens": sum(len(s.output_ids) for s in seqs),
+                 "cached_tokens": seqs[0].num_cached_tokens}
+        return {"choices": choices, "usage": usage}
+
+    # -- one engine iteration -----------------------------------------------------------------
+    def step(self, items: list[WorkItem]) -> None:
+        plan = self.scheduler.schedule()  # 1. plan (the launch record)
+        if not plan.chunks:
+            return
+        logits = self.runner.execute(plan)  # 2. run
+        self.scheduler.commit(plan)  # 3. commit: KV of the plan's chunks is written
+        self._sample_and_publish(plan, logits)
+        self._observe()
+
+    def _sample_and_publish(self, plan: Plan, logits: torch.Tensor) -> None:
+        rows: list[Sequence] = []
+        row_logits: list[int] = []
+        for i, chunk in enumerate(c for c in plan.chunks if c.sample):
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # cancelled or finished since launch: its row is dropped
+            rows.append(seq)
+            row_logits.append(i)
+            item = self._owner[seq.seq_id]
+            if item.state["pending_children"] and seq.index == 0 and not seq.output_ids:
+                rows += self._fork_children(item, seq)  # n > 1: siblings share the prompt's blocks
+                row_logits += [i] * (len(rows) - len(row_logits))
+        if not rows:
+            return
+        out = sample(logits[row_logits], [s.params for s in rows], [s.prompt_ids for s in rows],
+                     [s.output_ids for s in rows], [s.generator for s in rows])
+        now = time.monotonic()
+        for r, seq in enumerate(rows):
+            item = self._owner[seq.seq_id]
+            if r in out.errors:
+                self._fail_request(item, out.errors[r])
+                continue
+            if item.state["first"] is None:
+                item.state["first"] = now
+                self.metrics.llm_ttft.labels(model=self.model).observe(now - item.state["started"])
+            elif item.state["last"] != now:
+                self.metrics.llm_itl.labels(model=self.model).observe(now - item.state["last"])
+            item.state["last"] = now
+            self._append(item, seq, out.token_ids[r], out.logprobs[r], out.top_logprobs[r])
+        self.metrics.llm_tokens.labels(model=self.model).inc(len(rows))
+
+    def _append(self, item: WorkItem, seq: Sequence, token: int, logprob, top) -> None:
+        p = seq.params
+        if token in self.eos_token_ids and not p.ignore_eos or token in p.stop_token_ids:
+            seq.output_ids.append(token)
+            self._publish(item, seq, seq.output.finish().text, "stop")
+            return
+        seq.output_ids.append(token)
+        if p.logprobs:
+            seq.logprobs.append({"token_id": token, "logprob": logprob, "top_logprobs": top})
+        delta = seq.output.push(token)
+        if delta.stopped:
+            self._publish(item, seq, delta.text, "stop")
+        elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
+                seq.num_tokens >= self.runner.max_context:
+            self._publish(item, seq, delta.text + seq.output.finish().text, "length")
+        else:
+            self._publish(item, seq, delta.text, None, token=token)
+
+    def _publish(self, item: WorkItem, seq: Sequence, text: str, finish_reason: str | None, token: int | None = None):
+        if finish_reason is not None:
+            self._finish_seq(seq, finish_reason)
+        data = {"index": seq.index, "text": text, "finish_reason": finish_reason}
+        if seq.params.logprobs and seq.logprobs:
+            data["logprobs"] = seq.logprobs[-1]
+        item.emit(EventKind.DELTA, **data)
+
+    def _fail_request(self, item: WorkItem, message: str) -> None:
+        for seq in item.state["seqs"]:
+            self._finish_seq(seq, "abort")
+        item.state["pending_children"] = 0
+        item.emit(EventKind.ERROR, code="sampling_failed", message=message, param=None, status=400)
+
+    # -- sequences ----------------------------------------------------------------------------
+    def _new_seq(self, req: GenerationRequest, index: int, generator: torch.Generator) -> Sequence:
+        seq = Sequence(seq_id=next(self._ids), index=index, prompt_ids=list(req.prompt_ids), params=req.params,
+                       namespace=req.namespace, generator=generator, arrival=time.monotonic())
+        seq.output = OutputText(self.tokenizer, req.prompt_ids, req.params.stop)
+        return seq
+
+    def _fork_children(self, item: WorkItem, parent: Sequence) -> list[Sequence]:
+        req: GenerationRequest = item.inputs["request"]
+        children = []
+        for index in range(1, req.params.n):
+            seed = None if req.params.seed is None else req.params.seed + index  # one stream per choice
+            child = self._new_seq(req, index, make_generator(seed))
+            child.block_table = BlockTable(block_ids=[])
+            self.blocks.fork(parent.block_table, child.block_table)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.add_running(child)
+            self._owner[child.seq_id] = item
+            item.state["seqs"].append(child)
+            children.append(child)
+        item.state["pending_children"] = 0
+        return children
+
+    def _finish_seq(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._owner.pop(seq.seq_id, None)
+
+    def _observe(self) -> None:
+        m, model = self.metrics, self.model
+        m.llm_running.labels(model=model).set(len(self.scheduler.running))
+        m.llm_waiting.labels(model=model).set(len(self.scheduler.waiting))
+        m.llm_blocks.labels(model=model, state="free").set(self.blocks.num_free_blocks - self.blocks.num_cached_blocks)
+        m.llm_blocks.labels(model=model, state="used").set(self.blocks.num_used_blocks)
+        m.llm_blocks.labels(model=model, state="cached").set(self.blocks.num_cached_blocks)
+        m.llm_prefix_hit_tokens.labels(model=model).set(self.blocks.stats.hits)
+        m.llm_preemptions.labels(model=model).set(self.scheduler.num_preemptions)
