@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipelines.chat import LLMConfig
 from pipelines.request import ImageLimits
 from stages.media import ImageDecodeLimits
 from stages.media_audio import AudioDecodeLimits
@@ -22,6 +23,7 @@ class ModelSpec:
     # Pools by stage kind ("text_encode", "denoise", "vae_decode"); missing kinds use the defaults below.
     pools: dict[str, PoolConfig] = field(default_factory=dict)
     max_inflight: int = 64  # admitted requests of this model at once; more answer 429
+    llm: LLMConfig = LLMConfig()  # causal LMs only: KV budget, block size, batching limits
 
 
     def __post_init__(self):
@@ -39,6 +41,8 @@ class ModelSpec:
 # Batching windows: the denoise loop batches at step boundaries (no extra wait needed);
 # text encoding and VAE decode are short, so a few milliseconds of company is cheap.
 DEFAULT_POOLS = {
+    # The llm stage's own scheduler caps each step (LLMConfig); the pool holds every admitted request.
+    "llm": PoolConfig(max_batch_size=4096, max_delay_ms=0.0, max_queue=256),
     "text_encode": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256),
     "denoise": PoolConfig(max_batch_size=8, max_delay_ms=0.0, max_queue=64),
     "vae_decode": PoolConfig(max_batch_size=4, max_delay_ms=2.0, max_queue=256),

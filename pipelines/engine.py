@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from encoders.cache import EncoderCache
+from pipelines.chat import LLM_FAMILY, ChatModel, ChatRequest
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.families.base import ImageFamily
 from pipelines.registry import detect_family, family_class
@@ -20,6 +21,7 @@ from stages.diffusion import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph
 from stages.metrics import Metrics
+from stages.llm.params import SamplingParams
 from stages.request import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class Engine:
         self.models: dict[str, ModelInfo] = {}
         self._families: dict[str, ImageFamily] = {}
         self._specs: dict[str, ModelSpec] = {}
+        self._chats: dict[str, ChatModel] = {}
         self._media = None  # started on first use: the Python API may never encode
         self._media_lock = threading.Lock()
         self._ready = threading.Event()
@@ -77,6 +80,8 @@ class Engine:
 
     def _load(self, spec: ModelSpec) -> None:
         family_name = spec.family or detect_family(spec.path)
+        if family_name == LLM_FAMILY:
+            return self._load_llm(spec)
         family: ImageFamily = family_class(family_name)(
             spec.name, spec.path, device=spec.device, dtype=spec.dtype, prompt_cache=self.prompt_cache)
         for kind, stage in (("text_encode", TextEncodeStage(family)), ("denoise", DenoiseStage(family)),
@@ -88,13 +93,47 @@ class Engine:
                                            family.size_factor, family.default_size)
         log.info("loaded %s (%s) from %s", spec.name, family_name, spec.path)
 
+    def _load_llm(self, spec: ModelSpec) -> None:
+        chat = ChatModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.llm,
+                         metrics=self.metrics)
+        self.executor.add_pool(f"{spec.name}/llm", chat.stage, spec.pool("llm"))
+        self._chats[spec.name] = chat
+        self._specs[spec.name] = spec
+        self.models[spec.name] = ModelInfo(spec.name, LLM_FAMILY, spec.path, ("chat",), 0, 0)
+        log.info("loaded %s (%s, %d KV blocks of %d tokens) from %s", spec.name, LLM_FAMILY, chat.runner.num_blocks,
+                 chat.runner.kv.block_size, spec.path)
+
     def _warm(self, name: str) -> None:
+        if name in self._chats:
+            params = SamplingParams(temperature=0, max_tokens=1)
+            self.submit_chat(name, ChatRequest(prompt="warm-up", params=params)).result(timeout=600)
+            return
         info = self.models[name]
         size = info.size_factor * 2
         self.submit_image(name, ImageRequest(prompt="warm-up", width=size, height=size, num_inference_steps=1,
                                              seed=0)).result(timeout=600)
 
     # -- requests -------------------------------------------------------------------------
+    def chat_model(self, model: str) -> ChatModel:
+        chat = self._chats.get(model)
+        if chat is None:
+            raise RequestError("model", f"model {model!r} does not exist or does not chat; chat models: "
+                               f"{sorted(self._chats)}", code="model_not_found", status=404)
+        return chat
+
+    def submit_chat(self, model: str, request: ChatRequest, *, request_id: str | None = None) -> RequestHandle:
+        """Tokenize (chat template), check, then run the llm stage.
+
+        Events: DELTA {"index", "text", "finish_reason"[, "logprobs"]} as tokens are sampled; FINAL outputs
+        {"choices": [{"index", "text", "token_ids", "finish_reason", "logprobs"}], "usage": {...}}.
+        """
+        chat = self.chat_model(model)
+        generation = chat.generation_request(request)
+        graph = StageGraph.chain(("llm", f"{model}/llm"))
+        return self.executor.submit(graph, {"request": generation}, request_id=request_id,
+                                    deadline_s=self.config.request_timeout_s, model=model,
+                                    max_inflight=self._specs[model].max_inflight)
+
     def family(self, model: str) -> ImageFamily:
         family = self._families.get(model)
         if family is None:

@@ -13,7 +13,7 @@ FAMILIES = {
     "sd3": "pipelines.families.sd3:StableDiffusion3Family",
     "flux": "pipelines.families.flux:FluxFamily",
 }
-SUPPORTED_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
+SUPPORTED_FAMILIES: tuple[str, ...] = (*FAMILIES, "causal-lm")
 
 # model_index.json `_class_name` -> family. Listed here (not imported from the family files) so
 # that detection stays cheap and works before any family module is importable.
@@ -66,4 +66,6 @@ def detect_family(path: str) -> str:
             return CLASS_NAMES[name]
         raise ValueError(f"{path}: model_index.json names {name!r}, which mmserve does not serve. Supported: {supported}")
     arch = (config or {}).get("architectures") or []
+    if any(a.endswith("ForCausalLM") for a in arch):
+        return "causal-lm"  # any transformers decoder LM (Llama, Qwen2, Mistral, Gemma, Phi, ...)
     raise ValueError(f"{path}: config.json architectures {arch} are not a supported family. Supported: {supported}")

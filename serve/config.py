@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.chat import LLMConfig
 from pipelines.config import EngineConfig, MediaConfig, ModelSpec
 from pipelines.request import ImageLimits
 from stages.pool import PoolConfig
 
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
 DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux")
-POOL_KINDS = ("text_encode", "denoise", "vae_decode")
+POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm")
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
-    _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight"), where)
+    _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm"), where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")
@@ -141,6 +142,8 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     pools = values.pop("pools", {})
     _only(pools, POOL_KINDS, f"{where} pools")
     values["pools"] = {kind: _build(PoolConfig, p, f"{where} pools.{kind}") for kind, p in pools.items()}
+    if "llm" in values:
+        values["llm"] = _build(LLMConfig, values["llm"], f"{where} llm]")
     return ModelSpec(**values)
 
 
