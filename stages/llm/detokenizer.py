@@ -23,8 +23,8 @@ boundaries (" ." -> "."), which no stream can take back; transformers 5 skips it
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -203,8 +203,9 @@ class OutputText:
     The engine calls `push(token_id)` for every sampled token that belongs in the text and
     `finish()` once when the request ends for another reason (EOS, a stop token id, length);
     a cancelled request publishes nothing more and needs neither. Do not push the EOS or a stop
-    token id: as with OpenAI, their text is not part of the output. After a stop string, `push`
-    returns an empty delta with `stopped=True`, so tokens already in flight are dropped.
+    token id: as with OpenAI, their text is not part of the output. Once the text is final (a
+    stop string matched, or `finish()` ran), `push` and `finish` return empty deltas, so tokens
+    already in flight are dropped.
     """
 
     def __init__(
@@ -224,6 +225,8 @@ class OutputText:
         self.matcher = StopStringMatcher(stops)
         # Everything handed to the client so far, joined on read.
         self._chunks: list[str] = []
+        # The text is final: a stop string matched or `finish()` ran; later pushes are dropped.
+        self.finished = False
 
     @property
     def text(self) -> str:
@@ -239,21 +242,23 @@ class OutputText:
 
     def push(self, token_id: int) -> OutputDelta:
         """Add one sampled token; return the text to stream now and whether a stop string matched."""
-        if self.matcher.matched:
-            return OutputDelta("", True)
+        if self.finished:
+            return OutputDelta("", self.stopped)
         text, stopped = self.matcher.push(self.detokenizer.push(token_id))
         return self._emit(text, stopped)
 
     def finish(self) -> OutputDelta:
         """End of the request: release held characters and held stop-string prefixes."""
-        if self.matcher.matched:
-            return OutputDelta("", True)
+        if self.finished:
+            return OutputDelta("", self.stopped)
         text, stopped = self.matcher.push(self.detokenizer.flush())
         if not stopped:
             text += self.matcher.flush()
+        self.finished = True
         return self._emit(text, self.matcher.matched)
 
     def _emit(self, text: str, stopped: bool) -> OutputDelta:
         if text:
             self._chunks.append(text)
+        self.finished = self.finished or stopped
         return OutputDelta(text, stopped)

@@ -141,7 +141,8 @@ class LLMStage(LoopStage):
             self._publish(item, seq, delta.text, "stop")
         elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
                 seq.num_tokens >= self.runner.max_context:
-            self._publish(item, seq, delta.text + seq.output.finish().text, "length")
+            final = seq.output.finish()  # a held stop string may still settle here
+            self._publish(item, seq, delta.text + final.text, "stop" if final.stopped else "length")
         else:
             self._publish(item, seq, delta.text, None, token=token)
 
