@@ -1,0 +1,164 @@
+"""The llm stage end to end: greedy output equals transformers generate(), alone and batched, with
+prefix hits, chunked prefill and preemption; seeded sampling is batch-invariant; cancellation
+returns every KV block and publishes nothing after the cancel."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipelines.chat import ChatRequest, LLMConfig
+from pipelines.config import EngineConfig, ModelSpec
+from pipelines.demo import build_demo_model
+from pipelines.engine import Engine
+from stages.events import EventKind, StageError
+from stages.llm.params import SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request, tmp_path_factory):
+    return str(build_demo_model(request.param, tmp_path_factory.mktemp(request.param) / "model"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint).eval(), AutoTokenizer.from_pretrained(checkpoint)
+
+
+def _engine(path: str, **llm) -> Engine:
+    engine = Engine(EngineConfig(models=(ModelSpec("m", path, llm=LLMConfig(**llm)),)))
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    """Small blocks and a small token budget: long prompts are prefilled in chunks across steps."""
+    eng = _engine(checkpoint, kv_cache_mb=8, block_size=4, max_num_batched_tokens=48, max_prefill_chunk=16)
+    yield eng
+    eng.shutdown()
+
+
+def _prompt(tok, i: int) -> list[int]:
+    text = " ".join(f"word{j % 7} item {i}" for j in range(3 + 5 * i))
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+
+
+def _generate(reference, ids: list[int], n: int) -> list[int]:
+    model, _ = reference
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _run(engine, ids, **params):
+    return engine.submit_chat("m", ChatRequest(prompt=list(ids), params=SamplingParams(**params)))
+
+
+def test_greedy_alone_equals_generate(engine, reference):
+    ids = _prompt(reference[1], 3)
+    out = _run(engine, ids, max_tokens=40, **GREEDY).result(timeout=120)
+    assert out["choices"][0]["token_ids"] == _generate(reference, ids, 40)
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_greedy_batched_with_prefix_hits_and_chunks_equals_generate(engine, reference):
+    prompts = [_prompt(reference[1], i) for i in range(8)]
+    hits_before = engine.chat_model("m").stage.blocks.stats.hits
+    handles = [_run(engine, p, max_tokens=32 + i, **GREEDY) for i, p in enumerate(prompts)]
+    outs = [h.result(timeout=300) for h in handles]
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert out["choices"][0]["token_ids"] == _generate(reference, p, 32 + i), f"request {i}"
+    assert engine.metrics.registry.get_sample_value(
+        "mmserve_stage_batch_size_count", {"stage": "m/llm", "model": "m"}) > 0
+    # The same prompts again hit the prefix cache and still equal generate().
+    again = _run(engine, prompts[5], max_tokens=32, **GREEDY).result(timeout=120)
+    assert again["usage"]["cached_tokens"] > 0
+    assert engine.chat_model("m").stage.blocks.stats.hits > hits_before
+    assert again["choices"][0]["token_ids"] == _generate(reference, prompts[5], 32)
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(checkpoint, reference):
+    model, tok = reference
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"request {k} " * 3}], add_generation_prompt=True,
+                                       return_dict=False) for k in range(4)]  # short prompts, long outputs
+    cfg = model.config
+    block_bytes = 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    blocks = max(len(p) + 48 for p in prompts) // 4 + 4  # each fits alone; four growing together do not
+    eng = _engine(checkpoint, kv_cache_mb=blocks * block_bytes / 2**20, block_size=4, max_num_batched_tokens=64)
+    try:
+        stage = eng.chat_model("m").stage
+        outs = [h.result(timeout=300) for h in [_run(eng, p, max_tokens=48, **GREEDY) for p in prompts]]
+        assert stage.scheduler.num_preemptions > 0
+        for p, out in zip(prompts, outs):
+            assert out["choices"][0]["token_ids"] == _generate(reference, p, 48)
+        assert stage.blocks.num_used_blocks == 0
+    finally:
+        eng.shutdown()
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(engine, reference):
+    ids = _prompt(reference[1], 2)
+    params = dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _run(engine, ids, **params).result(timeout=120)["choices"][0]["token_ids"]
+    others = [_run(engine, _prompt(reference[1], i), temperature=1.1, seed=i, max_tokens=20) for i in range(5)]
+    batched = _run(engine, ids, **params).result(timeout=120)["choices"][0]["token_ids"]
+    for h in others:
+        h.result(timeout=120)
+    assert alone == batched
+
+
+def test_n_choices_share_the_prompt_blocks(engine, reference):
+    ids = _prompt(reference[1], 4)
+    out = _run(engine, ids, temperature=1.0, seed=7, n=3, max_tokens=12, ignore_eos=True).result(timeout=120)
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2]
+    assert len({tuple(c["token_ids"]) for c in out["choices"]}) > 1  # different streams
+    assert out["usage"]["completion_tokens"] == 36
+
+
+def test_stop_string_and_streamed_text(engine, reference):
+    ids = _prompt(reference[1], 1)
+    full = _run(engine, ids, max_tokens=30, **GREEDY).result(timeout=120)["choices"][0]["text"]
+    stop = full[5:8]
+    assert stop
+    handle = _run(engine, ids, max_tokens=30, stop=[stop], **GREEDY)
+    streamed = "".join(e.data["text"] for e in handle.events(timeout=120) if e.kind is EventKind.DELTA)
+    assert streamed == full[:full.find(stop)]
+
+
+def test_random_cancellations_return_every_block(engine, reference):
+    stage = engine.chat_model("m").stage
+    baseline = stage.blocks.num_free_blocks
+    rng = random.Random(0)
+    handles = []
+    for i in range(60):
+        h = _run(engine, _prompt(reference[1], rng.randrange(8)), max_tokens=rng.randrange(1, 24), **GREEDY)
+        handles.append(h)
+        if rng.random() < 0.6:
+            time.sleep(rng.random() * 0.02)
+            h.cancel()
+    for h in handles:
+        events = list(h.events(timeout=120))
+        kinds = [e.kind for e in events]
+        assert kinds[-1] in (EventKind.FINAL, EventKind.ERROR)
+        if kinds[-1] is EventKind.ERROR:
+            assert events[-1].data["code"] == "cancelled"
+            assert EventKind.DELTA not in kinds[kinds.index(EventKind.ERROR):]
+    deadline = time.time() + 30
+    while not engine.executor.idle() and time.time() < deadline:
+        time.sleep(0.05)
+    assert stage.blocks.num_used_blocks == 0
+    assert stage.blocks.num_free_blocks == baseline
+    stage.blocks.check_invariants()
+
+
+def test_prompt_longer_than_context_is_refused(engine):
+    with pytest.raises(StageError) as err:
+        _run(engine, [1] * 5000, max_tokens=1)
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded"
