@@ -60,6 +60,10 @@ class ChatModel:
 
     def generation_request(self, request: ChatRequest) -> GenerationRequest:
         """Cheap checks, then the chat template and tokenizer: the token ids that will run."""
+        try:
+            request.params.check_vocab(self.runner.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e).split(" ")[0].strip(":"), str(e)) from None
         ids = self._prompt_ids(request)
         if not ids:
             raise RequestError("prompt" if request.messages is None else "messages", "the prompt is empty")

@@ -55,6 +55,10 @@ class _CacheEntry:
     token_ids: tuple[int, ...]  # compared on a hit (full-token verification)
     uid: int  # unique per registration; a re-registered block gets a new one
 
+    def matches(self, namespace: Hashable, parent_uid: int, token_ids: tuple[int, ...]) -> bool:
+        """Full verification of a hash hit: same tenant/model, same prefix, same tokens."""
+        return (self.namespace, self.parent_uid, self.token_ids) == (namespace, parent_uid, token_ids)
+
 
 @dataclass
 class PrefixCacheStats:
@@ -82,7 +86,7 @@ class BlockManager:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
         self._entries: dict[int, _CacheEntry] = {}  # block id -> its cache entry (registered blocks only)
         self._by_hash: dict[int, int] = {}  # chain hash -> block id; one block per hash, first writer wins
-        self._next_uid = _ROOT_UID + 1
+        self._next_uid = _ROOT_UID  # registrations count up from here
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -128,7 +132,8 @@ class BlockManager:
         if not token_ids:
             raise ValueError("token_ids must hold at least one token")
         if not self.can_allocate(token_ids, namespace):
-            raise OutOfBlocksError(f"{len(token_ids)} tokens need more than the {self.num_free_blocks} free blocks")
+            raise OutOfBlocksError(f"{len(token_ids)} tokens need more than the {self.num_free_blocks} free "
+                                   "blocks; check can_allocate first")
         hits = self._match_prefix(token_ids, namespace)
         # Revive hits before taking fresh blocks, so a fresh block can never evict a hit.
         for block_id, _, _ in hits:
@@ -136,7 +141,8 @@ class BlockManager:
         table.block_ids = [block_id for block_id, _, _ in hits]
         table.block_hashes = [h for _, h, _ in hits]
         table.block_uids = [uid for _, _, uid in hits]
-        table.block_ids += [self._take_block() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        missing = self.blocks_needed(len(token_ids)) - len(hits)
+        table.block_ids += [self._take_block() for _ in range(missing)]
         table.namespace = namespace
         table.num_tokens = len(token_ids)
         table.num_cached_tokens = len(hits) * self.block_size
@@ -176,7 +182,8 @@ class BlockManager:
             table.block_ids[-1] = dst
             copies.append((src, dst))
         table.num_tokens += num_new_tokens
-        table.block_ids += [self._take_block() for _ in range(self.blocks_needed(table.num_tokens) - len(table.block_ids))]
+        missing = self.blocks_needed(table.num_tokens) - len(table.block_ids)
+        table.block_ids += [self._take_block() for _ in range(missing)]
         return copies
 
     def fork(self, parent: BlockTable, child: BlockTable) -> None:
@@ -291,7 +298,7 @@ class BlockManager:
             h = block_hash(namespace, parent_hash, tokens)
             block_id = self._by_hash.get(h)
             entry = self._entries.get(block_id) if block_id is not None else None
-            if entry is None or (entry.namespace, entry.token_ids) != (namespace, tokens):
+            if entry is None or not entry.matches(namespace, parent_uid, tokens):
                 break  # a miss, or a hash collision: verification failed
             hits.append((block_id, h, entry.uid))
             parent_hash, parent_uid = h, entry.uid
@@ -305,10 +312,9 @@ class BlockManager:
         holder = self._by_hash.get(h)
         if holder is not None:
             entry = self._entries[holder]
-            if (entry.namespace, entry.parent_uid, entry.token_ids) == (namespace, parent_uid, tokens):
+            if entry.matches(namespace, parent_uid, tokens):
                 return entry.uid  # same content already cached in another block: chain through it
-            uid = self._new_uid()  # a collision: this block stays uncached, its children unreachable
-            return uid
+            return self._new_uid()  # a collision: this block stays uncached, its children unreachable
         uid = self._new_uid()
         self._entries[block_id] = _CacheEntry(h, namespace, parent_uid, tokens, uid)
         self._by_hash[h] = block_id
@@ -316,7 +322,7 @@ class BlockManager:
 
     def _new_uid(self) -> int:
         self._next_uid += 1
-        return self._next_uid - 1
+        return self._next_uid
 
     def _ref(self, block_id: int) -> None:
         if self._refcount[block_id] == 0:

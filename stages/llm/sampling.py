@@ -3,19 +3,21 @@
 Order (pinned by tests/test_llm_sampling.py; every filter renormalizes before the next runs,
 which is why the order matters, seed 002 D02):
 
-  0. screen       a row with NaN or +inf logits, or with no finite logit left after step 1,
+  0. screen       a row with NaN or +inf logits, or with no finite logit left after steps 1-3,
                   fails alone (SampleOutput.errors[row], token -1); the other rows are unaffected.
   1. logit_bias   z_i += bias_i; a bias of exactly -100 bans the token (z_i = -inf).
   2. repetition   tokens seen in prompt + generated, each once (HF/CTRL): z/r if z > 0, z*r if z < 0.
   3. presence / frequency   generated tokens only (OpenAI): z_i -= a_f*c_i + a_p*[c_i > 0].
   4. T == 0       greedy: argmax of z, lowest id wins ties; no softmax, never z/0; 5-9 skipped.
   5. temperature  p = softmax((z - z_max) / T).
-  6. top_k        keep the k best by (-z_i, id); the set does not depend on T.
+  6. top_k        keep the k best by (-z_i, id); the set does not depend on T. A k above the
+                  number of finite logits keeps them all (the step's mask may shrink the vocabulary).
   7. top_p        smallest descending prefix (ties by id) whose mass reaches top_p (boundary kept).
   8. min_p        keep p_i >= min_p * max p, on probabilities after temperature (moves with T).
-  9. draw         one u ~ U[0, 1) from the row's own generator; first i with u < cum_i, falling
-                  back to the last positive-probability token. One stream per request, so a seed
-                  gives the same tokens alone or batched. Greedy rows draw nothing.
+  9. draw         one float32 u ~ U[0, 1) from the row's own generator; first i with
+                  u < cum_i, falling back to the last positive-probability token. One stream
+                  per request, so a seed gives the same tokens alone or batched. Greedy rows
+                  draw nothing.
 
 Logprobs are those of the raw model distribution, log_softmax of the logits as given (before
 bias, penalties, temperature and filters): vLLM V1's default ("raw_logprobs"). They describe the
@@ -84,6 +86,7 @@ def _fraction(name: str, value: float) -> None:
 
 
 def softmax(z: Floats) -> torch.Tensor:
+    """softmax(z) with the max subtracted first; -inf entries get probability 0."""
     return temperature_probs(z, 1.0)
 
 
@@ -110,12 +113,14 @@ def top_k_filter(probs: Floats, k: int) -> torch.Tensor:
 
 
 def top_p_filter(probs: Floats, top_p: float) -> torch.Tensor:
+    """Smallest descending prefix (ties by id) with mass >= top_p, boundary kept; probs sum to 1."""
     _fraction("top_p", top_p)
     p = _probs(probs)
     return _renormalize(p, _top_p_keep(p[None], torch.tensor([top_p], dtype=p.dtype))[0])
 
 
 def min_p_filter(probs: Floats, min_p: float) -> torch.Tensor:
+    """Keep p_i >= min_p * max p (every tied maximum survives), renormalized."""
     _fraction("min_p", min_p)
     p = _probs(probs)
     return _renormalize(p, _min_p_keep(p[None], torch.tensor([min_p], dtype=p.dtype))[0])
@@ -239,7 +244,9 @@ def sample(
     generators[r], the request's own stream (see make_generator); each non-greedy row draws
     exactly one uniform from it per call. The pipeline order is the module docstring's.
     """
-    batch, vocab = logits.shape
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    batch = logits.shape[0]
     if not len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch:
         raise ValueError(f"params, prompt_ids, output_ids and generators must each have {batch} rows")
     raw = logits.float()  # [B, V]
