@@ -84,3 +84,14 @@ def test_benchmark_script_prints_ratios(sd_path):
     assert re.search(r"latency .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert "denoise batch sizes reached: <=" in run.stdout
+
+
+def test_llm_benchmark_script_prints_ratios(tmp_path):
+    from pipelines.demo import build_demo_model
+
+    checkpoint = str(build_demo_model("llama", tmp_path / "llama"))
+    run = subprocess.run([sys.executable, "examples/bench_llm.py", "--checkpoint", checkpoint, "--requests", "3",
+                          "--prompt", "16", "--output", "8", "--prefix", "64"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert len(re.findall(r"ratio \d+\.\d+x", run.stdout)) == 3, run.stdout
