@@ -137,11 +137,11 @@ def test_random_cancellations_return_every_block(engine, reference):
     baseline = stage.blocks.num_free_blocks
     rng = random.Random(0)
     handles = []
-    for i in range(60):
-        h = _run(engine, _prompt(reference[1], rng.randrange(8)), max_tokens=rng.randrange(1, 24), **GREEDY)
+    for i in range(240):  # cancels land while queued (no sleep), prefilling or decoding
+        h = _run(engine, _prompt(reference[1], rng.randrange(8)), max_tokens=rng.randrange(1, 16), **GREEDY)
         handles.append(h)
         if rng.random() < 0.6:
-            time.sleep(rng.random() * 0.02)
+            time.sleep(rng.choice([0.0, 0.001, 0.005, 0.02]))
             h.cancel()
     for h in handles:
         events = list(h.events(timeout=120))
