@@ -10,7 +10,7 @@ import time
 
 from fastapi import FastAPI
 
-from serve import routes_images, routes_system
+from serve import routes_chat, routes_images, routes_system
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
 from serve.metrics import RequestCounter
@@ -30,6 +30,7 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.state.image_store = image_store or ImageStore()
     app.state.max_upload_bytes = max_upload_bytes
     app.state.created = int(time.time())  # the `created` of every model object
+    app.include_router(routes_chat.router)
     app.include_router(routes_images.router)
     app.include_router(routes_system.router)
     install_error_handlers(app)

@@ -12,8 +12,10 @@ import sys
 import threading
 from pathlib import Path
 
+from pipelines.chat import LLM_FAMILY
 from pipelines.config import ModelSpec
-from serve.config import DEFAULT_DEMO_DIR, DEMO_FAMILIES, demo_specs, engine_config, load_config, parse_model_arg
+from serve.config import (DEFAULT_DEMO_DIR, DEMO_FAMILIES, IMAGE_DEMO_FAMILIES, demo_specs, engine_config, load_config,
+                          parse_model_arg)
 
 log = logging.getLogger("mmserve")
 
@@ -44,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible endpoints)",
                        description="Run the server. Without --config models or --model it serves the demo models "
-                                   "(tiny random-weight checkpoints of every family, built on first run).")
+                                   "(tiny random-weight checkpoints of every image family and a tiny Llama chat "
+                                   "model, built on first run).")
     s.add_argument("--host", help="bind address (default: [server] host, else 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default: [server] port, else 8000)")
     s.add_argument("--config", type=Path, help="TOML config: models, pools, batching, limits (see serve/config.py)")
@@ -172,6 +175,9 @@ def _generate_image(args) -> int:
     if fmt is None:
         raise UsageError(f"-o {args.output}: the file name must end in .png, .jpg, .jpeg or .webp")
     spec, raw = _generate_model(args)
+    if spec.family == LLM_FAMILY:
+        raise UsageError(f"--model {args.model} is a chat model; `generate image` needs an image model (for "
+                         f"example {', '.join(f'{f}-demo' for f in IMAGE_DEMO_FAMILIES)}); chat through `serve`")
     engine = Engine(_usage(lambda: engine_config([spec], raw)))
     try:
         size = parse_size(args.size)

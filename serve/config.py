@@ -16,16 +16,19 @@
     [media]                       # optional: pipelines.config.MediaConfig
     workers = 2
 
-    [[models]]                    # none: the demo models
+    [[models]]                    # none: the demo models (sd, sdxl, sd3, flux, llama: `<family>-demo`)
     name = "sd-demo"
     path = "/path/to/checkpoint"  # or a hub id (from the local hub cache; the server is offline)
     family = "sd"                 # optional: detected from model_index.json / config.json
     device = "cpu"
     dtype = "float32"
     max_inflight = 64             # admitted requests at once; more answer 429
-    [models.pools.denoise]        # text_encode | denoise | vae_decode: stages.pool.PoolConfig
+    [models.pools.denoise]        # text_encode | denoise | vae_decode | llm: stages.pool.PoolConfig
     max_batch_size = 8
     replicas = 1
+    [models.llm]                  # causal LMs only: pipelines.chat.LLMConfig
+    kv_cache_mb = 256
+    block_size = 16
 
 Unknown keys are errors (a typo must not silently fall back to a default).
 """
@@ -38,13 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.chat import LLMConfig
+from pipelines.chat import LLM_FAMILY, LLMConfig
 from pipelines.config import EngineConfig, MediaConfig, ModelSpec
 from pipelines.request import ImageLimits
 from stages.pool import PoolConfig
 
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
-DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux")
+IMAGE_DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux")
+CHAT_DEMO_FAMILIES = ("llama",)  # served as "llama-demo", family causal-lm (chat and completions)
+DEMO_FAMILIES = IMAGE_DEMO_FAMILIES + CHAT_DEMO_FAMILIES
+DEMO_LLM = LLMConfig(kv_cache_mb=32)  # the tiny demo LM: 64k tokens of KV (512 bytes a token) is plenty
 POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm")
 
 
@@ -101,7 +107,13 @@ def demo_specs(root: Path, families: tuple[str, ...] = DEMO_FAMILIES) -> list[Mo
     from pipelines.demo import build_demo_models
 
     built = build_demo_models(Path(root).expanduser(), families=families)
-    return [ModelSpec(name=f"{family}-demo", path=str(path), family=family) for family, path in built.items()]
+    return [_demo_spec(family, path) for family, path in built.items()]
+
+
+def _demo_spec(family: str, path: Path) -> ModelSpec:
+    if family in CHAT_DEMO_FAMILIES:  # a causal LM: its engine family is causal-lm, whatever its architecture
+        return ModelSpec(name=f"{family}-demo", path=str(path), family=LLM_FAMILY, llm=DEMO_LLM)
+    return ModelSpec(name=f"{family}-demo", path=str(path), family=family)
 
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
@@ -143,7 +155,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     _only(pools, POOL_KINDS, f"{where} pools")
     values["pools"] = {kind: _build(PoolConfig, p, f"{where} pools.{kind}") for kind, p in pools.items()}
     if "llm" in values:
-        values["llm"] = _build(LLMConfig, values["llm"], f"{where} llm]")
+        values["llm"] = _build(LLMConfig, values["llm"], f"{where} llm")
     return ModelSpec(**values)
 
 

@@ -72,6 +72,7 @@ class LLMStage(LoopStage):
     def abort(self, item: WorkItem) -> None:
         for seq in item.state.get("seqs", ()):
             self._finish_seq(seq, "abort")
+        self._observe()
 
     def is_done(self, item: WorkItem) -> bool:
         return not item.state["pending_children"] and all(s.finished for s in item.state["seqs"])
@@ -89,6 +90,7 @@ class LLMStage(LoopStage):
     def step(self, items: list[WorkItem]) -> None:
         plan = self.scheduler.schedule()  # 1. plan (the launch record)
         if not plan.chunks:
+            self._observe()
             return
         logits = self.runner.execute(plan)  # 2. run
         self.scheduler.commit(plan)  # 3. commit: KV of the plan's chunks is written
@@ -134,24 +136,27 @@ class LLMStage(LoopStage):
             self._publish(item, seq, seq.output.finish().text, "stop")
             return
         seq.output_ids.append(token)
+        entry = None
         if p.logprobs:
-            seq.logprobs.append({"token_id": token, "logprob": logprob, "top_logprobs": top})
+            entry = {"token_id": token, "logprob": logprob, "top_logprobs": top}
+            seq.logprobs.append(entry)
         delta = seq.output.push(token)
         if delta.stopped:
-            self._publish(item, seq, delta.text, "stop")
+            self._publish(item, seq, delta.text, "stop", entry)
         elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
                 seq.num_tokens >= self.runner.max_context:
             final = seq.output.finish()  # a held stop string may still settle here
-            self._publish(item, seq, delta.text + final.text, "stop" if final.stopped else "length")
+            self._publish(item, seq, delta.text + final.text, "stop" if final.stopped else "length", entry)
         else:
-            self._publish(item, seq, delta.text, None, token=token)
+            self._publish(item, seq, delta.text, None, entry)
 
-    def _publish(self, item: WorkItem, seq: Sequence, text: str, finish_reason: str | None, token: int | None = None):
+    def _publish(self, item: WorkItem, seq: Sequence, text: str, finish_reason: str | None, logprobs=None) -> None:
+        """Stream one delta; `logprobs` is the entry of the token sampled now, if it was asked for."""
         if finish_reason is not None:
             self._finish_seq(seq, finish_reason)
         data = {"index": seq.index, "text": text, "finish_reason": finish_reason}
-        if seq.params.logprobs and seq.logprobs:
-            data["logprobs"] = seq.logprobs[-1]
+        if logprobs is not None:
+            data["logprobs"] = logprobs
         item.emit(EventKind.DELTA, **data)
 
     def _fail_request(self, item: WorkItem, message: str) -> None:

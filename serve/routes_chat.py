@@ -1,0 +1,113 @@
+"""/v1/chat/completions and /v1/completions: parse -> engine.submit_chat -> encode the reply.
+
+Errors are mapped in serve/errors.py. A client that goes away cancels its request: the JSON path
+watches for the disconnect while it waits (serve.responses.result_or_cancel), the SSE path cancels
+when Starlette cancels or closes its generator; the llm stage drops the request at its next step.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pipelines.chat import ChatRequest
+from pipelines.request import RequestError
+from serve.auth import tenant_of
+from serve.errors import error_body
+from serve.responses import result_or_cancel
+from serve.schemas_chat import ChatCompletionRequest, ChatReply, CompletionReply, CompletionRequest, TextReply
+from stages.events import EventKind, StageError
+from stages.request import RequestHandle
+
+router = APIRouter()
+CHAT_TASK = "chat"  # ModelInfo.tasks of a causal LM
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
+    engine = request.app.state.engine
+    model = resolve_chat_model(engine, body.model)
+    chat = engine.chat_model(model)
+    params = body.sampling_params(chat.runner.vocab_size)
+    reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model, chat.tokenizer, params, include_usage=body.include_usage)
+    handle = engine.submit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant),
+                                request_id=reply.id)
+    return await respond(request, handle, reply, stream=body.stream)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
+    engine = request.app.state.engine
+    model = resolve_chat_model(engine, body.model)
+    chat = engine.chat_model(model)
+    params = body.sampling_params(chat.runner.vocab_size)
+    reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", model, chat.tokenizer, params,
+                            include_usage=body.include_usage)
+    handle = engine.submit_chat(model, ChatRequest(prompt=body.prompt, params=params, tenant=tenant),
+                                request_id=reply.id)
+    return await respond(request, handle, reply, stream=body.stream)
+
+
+def resolve_chat_model(engine, name: str | None) -> str:
+    """The chat model to run: the named one (404 if unknown, 400 if it does not chat), or the first chat model."""
+    models = engine.models
+    if name is None or name not in models:
+        if not engine.ready:
+            raise StageError("model_loading", "models are still loading; retry shortly", param="model", status=503)
+    if name is None:
+        name = next((m for m, info in models.items() if CHAT_TASK in info.tasks), None)
+        if name is None:
+            raise RequestError("model", f"no chat model is loaded; models: {sorted(models)}",
+                               code="model_not_found", status=404)
+    info = models.get(name)
+    if info is None:
+        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
+                           code="model_not_found", status=404)
+    if CHAT_TASK not in info.tasks:
+        raise RequestError("model", f"model '{name}' does not chat; it does {list(info.tasks)}",
+                           code="unsupported_task")
+    return name
+
+
+async def respond(request: Request, handle: RequestHandle, reply: TextReply, *, stream: bool):
+    """SSE chunks when `stream`, else one JSON object."""
+    headers = {"x-request-id": handle.request_id}
+    if stream:
+        return StreamingResponse(_sse(handle, reply), media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    outputs = await result_or_cancel(request, handle)
+    return JSONResponse(reply.body(outputs), headers=headers)
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _sse(handle: RequestHandle, reply: TextReply) -> AsyncIterator[str]:
+    """OpenAI's chunk stream: opening chunks, one per text delta, finish chunks, usage; then `data: [DONE]`.
+
+    An engine error mid-stream becomes `data: {"error": {...}}`, which the openai client raises.
+    """
+    try:
+        for chunk in reply.opening():
+            yield _data(chunk)
+        async for event in handle:
+            if event.kind is EventKind.DELTA:
+                chunk = reply.delta(event.data)
+                if chunk is not None:
+                    yield _data(chunk)
+            elif event.kind is EventKind.FINAL:
+                for chunk in reply.closing(event.data["outputs"]):
+                    yield _data(chunk)
+            elif event.kind is EventKind.ERROR:
+                d = event.data
+                yield _data(error_body(d.get("status", 500), d.get("message", ""), param=d.get("param"),
+                                       code=d.get("code", "internal_error")))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not handle.done:  # the client went away mid-stream (or the server is stopping)
+            handle.cancel()

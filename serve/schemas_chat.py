@@ -1,0 +1,366 @@
+"""Wire schemas of /v1/chat/completions and /v1/completions: OpenAI's fields, mmserve's extensions,
+and the reply objects (`chat.completion`, `chat.completion.chunk`, `text_completion`).
+
+Ranges are checked in one place, `stages.llm.params.SamplingParams`: its ValueError starts with
+the field's name, and `sampling_params` turns it into a 400 naming the field the client sent.
+Unknown fields are refused, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from pipelines.request import RequestError
+from stages.llm.params import SamplingParams
+
+# SamplingParams fields a request may set under the same name.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "n")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # one last chunk with empty choices and the request's usage
+    include_obfuscation: bool | None = None  # accepted, ignored: chunks carry no obfuscation padding
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints. None means "the default" (SamplingParams' own)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # -- OpenAI fields --------------------------------------------------------------------
+    model: str | None = None  # None: the server's first chat model
+    stream: bool = False  # server-sent events, ending with `data: [DONE]`
+    stream_options: StreamOptions | None = None  # only with stream=true
+    max_tokens: int | None = None  # None: up to the context limit
+    temperature: float | None = None  # 0: greedy
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON string key) -> bias; -100 bans
+    user: str | None = None  # accepted; never a metric label
+    safety_identifier: str | None = None  # accepted; the newer name of `user`
+    # -- mmserve extensions (vLLM's names) -------------------------------------------------
+    top_k: int | None = None  # -1: off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v: StreamOptions | None, info) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _max_tokens(self) -> tuple[int | None, str]:
+        """The length limit and the field it came from."""
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self) -> dict[str, Any]:
+        """SamplingParams' logprobs/top_logprobs for this endpoint's own logprobs fields."""
+        return {}
+
+    def _param_names(self) -> dict[str, str]:
+        """SamplingParams field -> the request field a client would recognise."""
+        return {}
+
+    def sampling_params(self, vocab_size: int) -> SamplingParams:
+        """Build and check SamplingParams (and token ids against the model's vocabulary). Raises RequestError."""
+        values = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        max_tokens, max_name = self._max_tokens()
+        if max_tokens is not None:
+            values["max_tokens"] = max_tokens
+        values.update(self._logprobs())
+        names = {"max_tokens": max_name, **self._param_names()}
+        try:
+            params = SamplingParams(**values)
+            params.check_vocab(vocab_size)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            known = field in SamplingParams.__dataclass_fields__
+            raise RequestError(names.get(field, field) if known else None, str(e)) from None
+        return params
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[Any]  # OpenAI chat messages; each is checked (role, content) by the engine
+    max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens
+    logprobs: bool | None = None  # per-token log-probabilities in choices[].logprobs.content
+    top_logprobs: int | None = None  # alternatives per position; needs logprobs=true
+
+    def _max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is None:
+            return self.max_tokens, "max_tokens"
+        if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise RequestError("max_completion_tokens", "max_tokens and max_completion_tokens differ; send only "
+                               "max_completion_tokens (max_tokens is its older name)")
+        return self.max_completion_tokens, "max_completion_tokens"
+
+    def _logprobs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.top_logprobs is not None:
+            out["top_logprobs"] = self.top_logprobs
+        return out
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions (legacy): one prompt, as text or as token ids."""
+
+    prompt: Any  # a string or a list of token ids (a one-element batch of either is unwrapped)
+    logprobs: int | None = None  # top alternatives per position (0: the chosen token's only)
+    echo: bool = False  # only false: the prompt is not echoed (no prompt logprobs are computed)
+    best_of: int | None = None  # only equal to n (or null): each returned choice is one sampled sequence
+    suffix: str | None = None  # only null: no insertion (fill-in-the-middle) support
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # a batch of one
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
+            raise ValueError("one prompt per request; send batched prompts as concurrent requests (they are "
+                             "batched on the server)")
+        raise ValueError("prompt must be a string or a non-empty list of token ids")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported; the reply holds the completion only")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("suffix is not supported (no fill-in-the-middle); leave it null")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info) -> int | None:
+        if v is not None and v != (info.data.get("n") or 1):
+            raise ValueError("best_of must equal n (or be null): every sampled sequence is returned")
+        return v
+
+    def _logprobs(self) -> dict[str, Any]:
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": True, "top_logprobs": self.logprobs}
+
+    def _param_names(self) -> dict[str, str]:
+        return {"logprobs": "logprobs", "top_logprobs": "logprobs"}
+
+
+# -- replies ------------------------------------------------------------------------------
+
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte-fallback tokens
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable stand-in character -> the byte it encodes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
+class TokenTexts:
+    """Token id -> (text, exact UTF-8 bytes) for logprobs, with the model's tokenizer; memoized per reply.
+
+    The text is the token decoded alone; a token holding part of a UTF-8 character decodes to U+FFFD,
+    so its bytes come from the token's own piece (byte-level BPE or sentencepiece byte fallback).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._memo: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._memo:
+            self._memo[token_id] = self._render(token_id)
+        return self._memo[token_id]
+
+    def _render(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text, list(text.encode())
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        byte = _BYTE_PIECE.match(piece)
+        if byte:
+            return text, [int(byte.group(1), 16)]
+        if piece and all(c in _BYTE_LEVEL for c in piece):
+            return text, [_BYTE_LEVEL[c] for c in piece]
+        return text, list(text.encode())
+
+
+def _logprob(value: float) -> float:
+    return max(float(value), LOGPROB_FLOOR)
+
+
+def usage_body(usage: dict[str, int]) -> dict[str, Any]:
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]}}
+
+
+class TextReply:
+    """The reply objects of one request, whole (`body`) or as stream chunks (`opening`, `delta`, `closing`).
+
+    Engine events: DELTA {"index", "text", "finish_reason"[, "logprobs"]}; FINAL outputs {"choices", "usage"}.
+    A DELTA without a finish reason carries exactly its own token's logprobs; the finishing one may not
+    (EOS adds none), so a choice's last logprobs are taken from FINAL, past those already streamed.
+    """
+
+    object = ""  # the non-streamed object type
+    chunk_object = ""  # the streamed object type
+
+    def __init__(self, reply_id: str, model: str, tokenizer, params: SamplingParams, *, include_usage: bool):
+        self.id = reply_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokens = TokenTexts(tokenizer)
+        self.n = params.n
+        self.wants_logprobs = params.logprobs
+        self.include_usage = include_usage
+        self._streamed: dict[int, int] = {}  # choice index -> logprob entries already sent
+
+    # -- whole ------------------------------------------------------------------------------
+    def body(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        choices = [self._choice(c["index"], c["text"], c["finish_reason"], self._logprobs(c["index"], c["logprobs"]))
+                   for c in outputs["choices"]]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_body(outputs["usage"])}
+
+    # -- streamed ---------------------------------------------------------------------------
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, data: dict[str, Any]) -> dict[str, Any] | None:
+        index = data["index"]
+        entries = []
+        if self.wants_logprobs and data["finish_reason"] is None and "logprobs" in data:
+            entries = [data["logprobs"]]
+            self._streamed[index] = self._streamed.get(index, 0) + 1
+        if not data["text"] and not entries:
+            return None  # text held back (a partial character or a possible stop string) and nothing else
+        logprobs = self._logprobs(index, entries) if entries else None
+        return self._chunk([self._chunk_choice(index, data["text"], None, logprobs)])
+
+    def closing(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        """One finish chunk per choice (with its remaining logprobs), then usage when asked for."""
+        chunks = []
+        for c in outputs["choices"]:
+            rest = (c["logprobs"] or [])[self._streamed.get(c["index"], 0):]
+            logprobs = self._logprobs(c["index"], rest) if rest else None
+            chunks.append(self._chunk([self._chunk_choice(c["index"], "", c["finish_reason"], logprobs)]))
+        if self.include_usage:
+            chunks.append(self._chunk([], usage=usage_body(outputs["usage"])))
+        return chunks
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                 "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
+        return chunk
+
+    # -- per endpoint -----------------------------------------------------------------------
+    def _choice(self, index: int, text: str, finish_reason: str, logprobs) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _chunk_choice(self, index: int, text: str, finish_reason: str | None, logprobs) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _logprobs(self, index: int, entries: list[dict[str, Any]] | None):
+        raise NotImplementedError
+
+
+class ChatReply(TextReply):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.n)]
+
+    def _choice(self, index, text, finish_reason, logprobs):
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def _chunk_choice(self, index, text, finish_reason, logprobs):
+        delta = {"content": text} if text or finish_reason is None else {}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, index, entries):
+        if not self.wants_logprobs:
+            return None
+        return {"content": [self._entry(e) for e in entries or ()]}
+
+    def _entry(self, entry: dict[str, Any]) -> dict[str, Any]:
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            text, raw = self.tokens(token_id)
+            return {"token": text, "logprob": _logprob(logprob), "bytes": raw}
+
+        return {**one(entry["token_id"], entry["logprob"]),
+                "top_logprobs": [one(t, lp) for t, lp in entry.get("top_logprobs") or ()]}
+
+
+class CompletionReply(TextReply):
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, reply_id: str, model: str, tokenizer, params: SamplingParams, *, include_usage: bool):
+        super().__init__(reply_id, model, tokenizer, params, include_usage=include_usage)
+        self._offsets: dict[int, int] = {}  # choice index -> characters of token text so far
+
+    def _choice(self, index, text, finish_reason, logprobs):
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    _chunk_choice = _choice
+
+    def _logprobs(self, index, entries):
+        """Legacy shape: parallel lists; text_offset counts characters of token text from the completion's start."""
+        if not self.wants_logprobs:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries or ():
+            text, _ = self.tokens(e["token_id"])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_logprob(e["logprob"]))
+            out["top_logprobs"].append({self.tokens(t)[0]: _logprob(lp) for t, lp in e.get("top_logprobs") or ()})
+            out["text_offset"].append(self._offsets.get(index, 0))
+            self._offsets[index] = self._offsets.get(index, 0) + len(text)
+        return out
