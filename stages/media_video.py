@@ -2,14 +2,14 @@
 
 Sampling seeks to the keyframe before each target frame and decodes forward, and keeps decoding
 forward when no keyframe lies between it and the next target; it never decodes a whole file to
-keep a few frames. Limits are checked on container and stream headers before any frame is
-decoded. Imports only the stdlib, numpy and PyAV, like the other worker modules.
+keep a few frames. On the way to a target, non-reference frames shown before it (most B-frames)
+are skipped undecoded (stages.media_video_seek). Limits are checked on container and stream
+headers before any frame is decoded. Imports only the stdlib, numpy and PyAV, like the other
+worker modules.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
 import hashlib
 import io
 import math
@@ -21,6 +21,7 @@ import numpy as np
 
 from stages.media import MediaError
 from stages.media_video_encode import FragmentedMP4Writer, encode_video  # re-exported: workers find encode_video here
+from stages.media_video_seek import SeekCursor
 
 __all__ = ["VideoDecodeLimits", "VideoSampling", "VideoInfo", "DecodedVideo", "probe_video", "decode_video",
            "decode_all_frames", "encode_video", "FragmentedMP4Writer"]
@@ -33,7 +34,6 @@ _DEMUXER = {"mp4": "mov", "mov": "mov", "webm": "matroska", "mkv": "matroska", "
 # What PyAV raises on malformed input while demuxing, decoding or converting.
 _CORRUPT_ERRORS = (av.error.FFmpegError, OSError, EOFError, ValueError, IndexError, KeyError, TypeError,
                    struct.error, OverflowError, ZeroDivisionError, RuntimeError)
-_SEEK_ATTEMPTS = 3  # a seek landing past its target: one keyframe back, then from the stream start
 _THREADS = 1  # one decoder thread: parallelism comes from the worker count, and threads eat address space
 
 
@@ -105,6 +105,9 @@ class DecodedVideo:
     content_hash: str  # sha256 of the bytes and the decode config: identity for caches
     frames_decoded: int = 0  # frames the decoder produced to get these (the cost)
     seeks: int = 0  # seeks made
+    # Packets fed to the decoder; those beyond frames_decoded are mostly non-reference frames it
+    # skipped without decoding (shown before a target), plus frames still in its reorder delay.
+    packets_decoded: int = 0
 
     def __post_init__(self):
         # Read-only: decoded frames may be shared by every request whose input has this hash.
@@ -142,10 +145,11 @@ def decode_video(data: bytes, limits: VideoDecodeLimits = VideoDecodeLimits(), *
         info = _read_info(container, data, limits)
         indices = _target_indices(info, sampling, limits)
         try:
-            frames, times, decoded, seeks = _sample(container, info, indices, limits)
+            frames, times, cursor = _sample(container, info, indices, limits)
         except _CORRUPT_ERRORS as e:
             raise _corrupt(info, e) from None
-    return _result(info, frames, times, decoded, seeks, data, "decode_video:" + sampling.key())
+    return _result(info, frames, times, data, "decode_video:" + sampling.key(), decoded=cursor.frames_decoded,
+                   seeks=cursor.seeks, packets=cursor.packets_decoded)
 
 
 def decode_all_frames(data: bytes, limits: VideoDecodeLimits = VideoDecodeLimits(),
@@ -158,17 +162,20 @@ def decode_all_frames(data: bytes, limits: VideoDecodeLimits = VideoDecodeLimits
         max_kept = math.ceil(info.frame_count / every_nth)
         _check_output(info, max_kept, limits)
         stream, origin = _prepare_decoder(container, limits)
-        kept, times, decoded = [], [], 0
+        kept, times, decoded, packets = [], [], 0, 0
         try:
-            for frame in container.decode(stream):
-                if decoded % every_nth == 0 and frame.pts is not None and len(kept) < max_kept:
-                    kept.append(frame.to_ndarray(format="rgb24", width=info.width, height=info.height))
-                    times.append(_seconds(stream, frame.pts - origin))
-                decoded += 1
+            for packet in container.demux(stream):
+                packets += packet.size > 0  # not the final, empty flush packet
+                for frame in stream.codec_context.decode(packet):
+                    if decoded % every_nth == 0 and frame.pts is not None and len(kept) < max_kept:
+                        kept.append(frame.to_ndarray(format="rgb24", width=info.width, height=info.height))
+                        times.append(_seconds(stream, frame.pts - origin))
+                    decoded += 1
         except _CORRUPT_ERRORS as e:
             raise _corrupt(info, e) from None
     frames = np.stack(kept) if kept else np.zeros((0, info.height, info.width, 3), np.uint8)
-    return _result(info, frames, times, decoded, 0, data, f"decode_all_frames:every_nth={every_nth}")
+    return _result(info, frames, times, data, f"decode_all_frames:every_nth={every_nth}", decoded=decoded, seeks=0,
+                   packets=packets)
 
 
 # -- probing -------------------------------------------------------------------------------------
@@ -275,63 +282,6 @@ def _check_output(info: VideoInfo, count: int, limits: VideoDecodeLimits) -> Non
 
 # -- sampling ------------------------------------------------------------------------------------
 
-class _Cursor:
-    """The decoding position in one stream: seek, then pull frames forward."""
-
-    def __init__(self, container: av.container.InputContainer, stream: av.video.stream.VideoStream):
-        self.container, self.stream = container, stream
-        self.packets = None  # demux iterator since the last seek; None before the first
-        self.pending: collections.deque = collections.deque()  # frames decoded from the last packet
-        self.last = None  # the last frame pulled (a VideoFrame)
-        self.frames_decoded = 0
-        self.seeks = 0
-        self.resume_dts = None  # decode time of the first packet since the last seek
-        self._keyframes: list[int] | None = None  # keyframe timestamps from the container index, sorted
-
-    def seek(self, pts: int) -> None:
-        """Seek so that decoding resumes at a frame shown at or before `pts`.
-
-        A seek lands on the keyframe at or before `pts`, but mp4 indexes decode times: with
-        B-frames it can land on a keyframe shown after `pts`, whose leading frames (an open GOP,
-        as x265 makes) cannot be decoded from there; then step back one keyframe and retry.
-        Containers without a keyframe index (MPEG-TS) may land mid-GOP, where the decoder shows
-        nothing until the next keyframe; the last attempt starts from the stream start.
-        """
-        stream_start = self.stream.start_time or 0
-        for attempt in range(_SEEK_ATTEMPTS):
-            pts = stream_start if attempt == _SEEK_ATTEMPTS - 1 else pts
-            self.container.seek(pts, stream=self.stream, backward=True)
-            self.seeks += 1
-            self.packets, self.resume_dts = self.container.demux(self.stream), None
-            self.pending.clear()
-            self.last = None
-            first = self.advance_to(-math.inf)
-            if first is None or first.pts is None or first.pts <= max(pts, stream_start) or self.resume_dts is None:
-                return
-            pts = min(pts, self.resume_dts) - 1  # just before the keyframe we landed on
-
-    def keyframe_between(self, after: int, upto: int) -> bool:
-        """Whether the index knows a keyframe with after < timestamp <= upto (asked after the first seek)."""
-        if self._keyframes is None:  # mp4: every sample is indexed; matroska: the cues, read at the first seek
-            self._keyframes = sorted(e.timestamp for e in self.stream.index_entries if e.is_keyframe)
-        i = bisect.bisect_right(self._keyframes, after)
-        return i < len(self._keyframes) and self._keyframes[i] <= upto
-
-    def advance_to(self, threshold: int):
-        """Decode forward to the first frame with pts >= threshold; None at the end of the stream."""
-        while self.last is None or self.last.pts is None or self.last.pts < threshold:
-            while not self.pending:
-                packet = next(self.packets, None)
-                if packet is None:
-                    return None
-                if self.resume_dts is None:
-                    self.resume_dts = packet.dts  # decode time of the keyframe a seek landed on
-                self.pending.extend(packet.decode())
-            self.last = self.pending.popleft()
-            self.frames_decoded += 1
-        return self.last
-
-
 def _prepare_decoder(container: av.container.InputContainer, limits: VideoDecodeLimits):
     """The video stream, its decoder set up, and its start pts (timestamps count from it)."""
     stream = container.streams.video[0]
@@ -346,7 +296,7 @@ def _sample(container, info: VideoInfo, indices: list[int], limits: VideoDecodeL
     ticks_per_s = 1 / float(stream.time_base)
     out = np.empty((len(indices), info.height, info.width, 3), np.uint8)  # [T, H, W, 3]
     times: list[float] = []
-    cursor, returned = _Cursor(container, stream), None
+    cursor, returned = SeekCursor(container, stream, info.fps), None
     for idx in indices:
         # First frame past the half-way point before frame idx; seek to just after frame idx's nominal pts.
         threshold = origin + math.ceil((idx - 0.5) / info.fps * ticks_per_s)
@@ -368,17 +318,18 @@ def _sample(container, info: VideoInfo, indices: list[int], limits: VideoDecodeL
         times.append(_seconds(stream, frame.pts - origin))
     if not times:
         raise MediaError("media_corrupt", f"no frame could be decoded from the {info.format}/{info.codec} video")
-    return out[: len(times)], times, cursor.frames_decoded, cursor.seeks
+    return out[: len(times)], times, cursor
 
 
-def _result(info: VideoInfo, frames: np.ndarray, times: list[float], decoded: int, seeks: int, data: bytes,
-            config: str) -> DecodedVideo:
+def _result(info: VideoInfo, frames: np.ndarray, times: list[float], data: bytes, config: str, *, decoded: int,
+            seeks: int, packets: int) -> DecodedVideo:
     content_hash = hashlib.sha256(data)
     content_hash.update(f"|{config}".encode())  # the same bytes sampled differently are another item
     return DecodedVideo(frames=frames, timestamps_s=times, indices=[round(t * info.fps) for t in times],
                         fps=info.fps, duration_s=info.duration_s, width=info.width, height=info.height,
                         frame_count=info.frame_count, format=info.format, codec=info.codec,
-                        content_hash=content_hash.hexdigest(), frames_decoded=decoded, seeks=seeks)
+                        content_hash=content_hash.hexdigest(), frames_decoded=decoded, seeks=seeks,
+                        packets_decoded=packets)
 
 
 def _corrupt(info: VideoInfo, error: Exception) -> MediaError:

@@ -23,6 +23,7 @@ import av
 import numpy as np
 import pytest
 
+from stages import media_video_seek
 from stages.media import WORKER_FUNCTIONS, MediaError, worker_function
 from stages.media_pool import MediaPool
 from stages.media_video import (
@@ -37,6 +38,12 @@ _BITS = 12  # painted bits: indices up to 4095
 _CODECS = {
     "h264": ("libx264", {"preset": "ultrafast"}),
     "h264-bframes": ("libx264", {"preset": "fast", "bf": "2"}),  # B-frames: pts != dts, negative index times
+    "h264-veryfast": ("libx264", {"preset": "veryfast"}),  # 3 B-frames, b-pyramid: most B-frames non-reference
+    "h264-medium": ("libx264", {"preset": "medium"}),  # libx264's default: b-pyramid, 3 reference frames
+    # Alt-ref settings; this libvpx makes no hidden frames in one pass, but what it makes must stay exact.
+    "vp9-altref": ("libvpx-vp9", {"deadline": "good", "cpu-used": "4", "auto-alt-ref": "1", "lag-in-frames": "16"}),
+    # Three temporal sub-layers: non-reference pictures of lower sub-layers are read by higher ones.
+    "hevc-layers": ("libx265", {"preset": "medium", "x265-params": "temporal-layers=3"}),
     "vp9": ("libvpx-vp9", {"deadline": "realtime", "cpu-used": "8"}),
     "hevc": ("libx265", {"preset": "ultrafast"}),
     "av1": ("libsvtav1", {"preset": "12"}),
@@ -73,7 +80,8 @@ def _video(container: str, codec: str, gop: int, n: int = N) -> bytes:
         stream = c.add_stream(encoder, rate=FPS)
         stream.width, stream.height, stream.pix_fmt, stream.gop_size = W, H, "yuv420p", gop
         if encoder == "libx265":  # x265 takes its keyframe settings (and log level) in its own parameter string
-            options = {**options, "x265-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:log-level=error"}
+            params = f"keyint={gop}:min-keyint={gop}:scenecut=0:log-level=error"
+            options = {**options, "x265-params": ":".join(filter(None, [params, options.get("x265-params")]))}
         stream.options = {**options, "keyint_min": str(gop), "sc_threshold": "0"}
         for i in range(n):
             c.mux(stream.encode(av.VideoFrame.from_ndarray(_paint(i), format="rgb24")))
@@ -112,7 +120,8 @@ def _hours_long(container: str = "mp4") -> bytes:
 
 _CASES = [("mp4", "h264", 1), ("mp4", "h264", 12), ("mp4", "h264", 60), ("mov", "h264", 12), ("mkv", "h264", 12),
           ("mkv", "h264", 60), ("webm", "vp9", 12), ("webm", "vp9", 60), ("mp4", "h264-bframes", 12),
-          ("mp4", "hevc", 12), ("mkv", "av1", 12)]
+          ("mp4", "hevc", 12), ("mkv", "av1", 12), ("mp4", "h264-veryfast", 12), ("mkv", "h264-medium", 60),
+          ("webm", "vp9-altref", 12), ("mp4", "hevc-layers", 12)]
 
 
 @pytest.mark.parametrize("container,codec,gop", _CASES, ids=[f"{c}-{k}-gop{g}" for c, k, g in _CASES])
@@ -135,6 +144,52 @@ def test_sampling_returns_exact_frames(container, codec, gop):
         assert out.frames.shape == (len(expected), H, W, 3) and not out.frames.flags.writeable
     every = decode_video(data)  # neither fps nor num_frames: every frame
     assert every.indices == _painted(every) == list(range(N))
+
+
+# (container, codec, keyframe interval, whether non-reference frames get skipped)
+_SKIP_CASES = [("mp4", "h264-bframes", 12, True), ("mp4", "h264-veryfast", 12, True), ("mp4", "h264-medium", 60, True),
+               ("mkv", "h264-medium", 12, True), ("mp4", "hevc", 12, True), ("mkv", "hevc-layers", 60, True),
+               ("mp4", "h264", 12, False),  # ultrafast: no B-frames, every frame a reference
+               ("webm", "vp9-altref", 60, False), ("webm", "vp9", 12, False), ("mkv", "av1", 12, False)]
+
+
+@pytest.mark.parametrize("container,codec,gop,skips", _SKIP_CASES,
+                         ids=[f"{c}-{k}-gop{g}" for c, k, g, _ in _SKIP_CASES])
+def test_skipping_nonref_frames_returns_the_same_pixels(container, codec, gop, skips, monkeypatch):
+    data = _video(container, codec, gop)
+    everything = decode_all_frames(data)
+    assert everything.indices == _painted(everything) == list(range(N))
+    samplings = [dict(fps=1), dict(fps=2, start_s=0.1), dict(fps=7, start_s=0.05), dict(num_frames=3, start_s=1.0),
+                 dict(num_frames=5, start_s=0.5, end_s=2.5), dict(fps=10, start_s=2.0)]
+    with_skips = plain = 0
+    for kwargs in samplings:
+        out = decode_video(data, **kwargs)
+        assert _painted(out) == out.indices, kwargs
+        np.testing.assert_array_equal(out.frames, everything.frames[out.indices], err_msg=str(kwargs))
+        with monkeypatch.context() as m:
+            m.setattr(media_video_seek, "SKIPPING_DECODERS", frozenset())  # as before skipping
+            before = decode_video(data, **kwargs)
+        assert before.indices == out.indices and before.timestamps_s == out.timestamps_s, kwargs
+        np.testing.assert_array_equal(before.frames, out.frames, err_msg=str(kwargs))
+        assert out.packets_decoded == before.packets_decoded and out.seeks == before.seeks
+        with_skips, plain = with_skips + out.frames_decoded, plain + before.frames_decoded
+    if skips:  # B-frames shown before a target were dropped undecoded
+        assert with_skips < plain, (with_skips, plain)
+    else:
+        assert with_skips == plain
+
+
+def test_skip_policy_per_decoder():
+    def policy(container, codec, gop=12):
+        with av.open(io.BytesIO(_video(container, codec, gop))) as c:
+            return media_video_seek.nonref_skip_policy(c.streams.video[0].codec_context)
+
+    assert policy("mp4", "h264-medium") is not None and policy("ts", "h264") is not None  # H.264: any stream
+    assert policy("webm", "vp9") is None and policy("mkv", "av1") is None  # libdav1d: read once, at open
+    may_skip = policy("mkv", "hevc-layers", 60)
+    with av.open(io.BytesIO(_video("mkv", "hevc-layers", 60))) as c:
+        allowed = [may_skip(p) for p in c.demux(c.streams.video[0]) if p.size]
+    assert any(allowed) and not all(allowed)  # the top temporal sub-layer only
 
 
 @pytest.mark.parametrize("container,codec", [("avi", "mpeg4"), ("ts", "h264")])
@@ -343,9 +398,13 @@ def test_fragmented_mp4_chunks_concatenate_to_one_video():
 def test_benchmark_script_prints_speedup(tmp_path):
     script = Path(__file__).resolve().parent.parent / "examples" / "bench_video_sampling.py"
     run = subprocess.run([sys.executable, str(script), "--seconds", "4", "--fps", "10", "--width", "128",
-                          "--height", "96", "--gop", "10", "--repeats", "1", "--cache-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+                          "--height", "96", "--gop", "20", "--repeats", "1", "--preset", "ultrafast", "veryfast",
+                          "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    ratio = re.search(r"^speedup: ([0-9.]+)x", run.stdout, re.M)
-    assert ratio and float(ratio.group(1)) > 0 and math.isfinite(float(ratio.group(1))), run.stdout
-    assert "identical both ways" in run.stdout and list(tmp_path.glob("clip_4s_10fps_128x96_gop10.mp4"))
+    ratios = re.findall(r"^speedup: ([0-9.]+)x", run.stdout, re.M)
+    assert len(ratios) == 2 and all(float(r) > 0 and math.isfinite(float(r)) for r in ratios), run.stdout
+    bounds = [float(b) for b in re.findall(r"^ideal speedup .*?: ([0-9.]+)x", run.stdout, re.M)]
+    assert len(bounds) == 2 and bounds[1] > bounds[0] >= 1, run.stdout  # B-frames: fewer frames are needed
+    assert run.stdout.count("identical all three ways") == 2 and "== summary" in run.stdout
+    for preset in ("ultrafast", "veryfast"):
+        assert (tmp_path / f"clip_4s_10fps_128x96_gop20_{preset}.mp4").exists()
