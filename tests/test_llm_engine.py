@@ -162,3 +162,14 @@ def test_prompt_longer_than_context_is_refused(engine):
     with pytest.raises(StageError) as err:
         _run(engine, [1] * 5000, max_tokens=1)
     assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+
+
+def test_all_masked_request_fails_alone(engine, reference):
+    ids = _prompt(reference[1], 1)
+    vocab = engine.chat_model("m").runner.vocab_size
+    good = _run(engine, ids, max_tokens=16, **GREEDY)
+    banned = _run(engine, ids, max_tokens=4, temperature=0.7, logit_bias={i: -100 for i in range(vocab)})
+    with pytest.raises(StageError) as err:
+        banned.result(timeout=60)
+    assert err.value.code == "sampling_failed" and err.value.status == 400
+    assert good.result(timeout=60)["choices"][0]["token_ids"] == _generate(reference, ids, 16)
