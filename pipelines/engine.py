@@ -5,6 +5,7 @@ One Engine serves the REST server, the CLI and the Python API alike.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from dataclasses import dataclass
@@ -12,11 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from encoders.cache import EncoderCache
+from pipelines.asr import ASR_FAMILY, ASR_POOL, TranscriptionModel, TranscriptionRequest
 from pipelines.chat import LLM_FAMILY, ChatModel, ChatRequest
 from pipelines.config import EngineConfig, ModelSpec
+from pipelines.embeddings import EMBED_POOL, EMBEDDING_FAMILIES, EMBEDDINGS_TASK, EmbeddingModel, EmbeddingRequest
+from pipelines.tts import SPEECH_TASK, TTS_FAMILIES, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.families.base import ImageFamily
 from pipelines.registry import detect_family, family_class
 from pipelines.request import ImageRequest, RequestError, Task
+from pipelines.chat_parts import has_media_parts
+from pipelines.vlm import VLM_FAMILY, VLMChatModel, load_media
 from stages.diffusion import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph
@@ -37,6 +43,7 @@ class ModelInfo:
     tasks: tuple[str, ...]  # "text-to-image", "image-to-image", "inpainting"
     size_factor: int  # width and height must be multiples of this
     default_size: int  # square size used when the request names none
+    voices: tuple[str, ...] = ()  # text-to-speech models: the voice names a request may use
 
 
 class Engine:
@@ -45,10 +52,14 @@ class Engine:
         self.metrics = Metrics()
         self.executor = GraphExecutor(self.metrics)
         self.prompt_cache = EncoderCache("prompt_embedding", config.prompt_cache_mb << 20, self._cache_event)
+        self.encoder_cache = EncoderCache("encoder_output", config.encoder_cache_mb << 20, self._cache_event)
         self.models: dict[str, ModelInfo] = {}
         self._families: dict[str, ImageFamily] = {}
         self._specs: dict[str, ModelSpec] = {}
         self._chats: dict[str, ChatModel] = {}
+        self._embedders: dict[str, EmbeddingModel] = {}
+        self._speakers: dict[str, SpeechModel] = {}
+        self._transcribers: dict[str, TranscriptionModel] = {}
         self._media = None  # started on first use: the Python API may never encode
         self._media_lock = threading.Lock()
         self._ready = threading.Event()
@@ -82,6 +93,14 @@ class Engine:
         family_name = spec.family or detect_family(spec.path)
         if family_name == LLM_FAMILY:
             return self._load_llm(spec)
+        if family_name == VLM_FAMILY:
+            return self._load_vlm(spec)
+        if family_name in EMBEDDING_FAMILIES:
+            return self._load_embedding(spec, family_name)
+        if family_name in TTS_FAMILIES:
+            return self._load_speech(spec, family_name)
+        if family_name == ASR_FAMILY:
+            return self._load_asr(spec)
         family: ImageFamily = family_class(family_name)(
             spec.name, spec.path, device=spec.device, dtype=spec.dtype, prompt_cache=self.prompt_cache)
         for kind, stage in (("text_encode", TextEncodeStage(family)), ("denoise", DenoiseStage(family)),
@@ -103,7 +122,57 @@ class Engine:
         log.info("loaded %s (%s, %d KV blocks of %d tokens) from %s", spec.name, LLM_FAMILY, chat.runner.num_blocks,
                  chat.runner.kv.block_size, spec.path)
 
+    def _load_vlm(self, spec: ModelSpec) -> None:
+        # A reload gets a new weights id (file fingerprint); entries of the old weights are dropped now.
+        self.encoder_cache.invalidate(lambda key: key[1].startswith(f"{VLM_FAMILY}:{spec.path}:"))
+        chat = VLMChatModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.llm, vlm=spec.vlm,
+                            metrics=self.metrics, cache=self.encoder_cache)
+        self.executor.add_pool(f"{spec.name}/vision_encode", chat.encode_stage, spec.pool("vision_encode"))
+        self.executor.add_pool(f"{spec.name}/llm", chat.stage, spec.pool("llm"))
+        self._chats[spec.name] = chat
+        self._specs[spec.name] = spec
+        self.models[spec.name] = ModelInfo(spec.name, VLM_FAMILY, spec.path, ("chat", "vision-chat"), 0, 0)
+        log.info("loaded %s (%s, %s, %d KV blocks of %d tokens) from %s", spec.name, VLM_FAMILY, chat.adapter.family,
+                 chat.runner.num_blocks, chat.runner.kv.block_size, spec.path)
+
+    def _load_embedding(self, spec: ModelSpec, family_name: str) -> None:
+        embedder = EmbeddingModel(spec.name, spec.path, family_name, device=spec.device, dtype=spec.dtype)
+        self.executor.add_pool(f"{spec.name}/embed", embedder.stage, spec.pools.get("embed") or EMBED_POOL)
+        self._embedders[spec.name] = embedder
+        self._specs[spec.name] = spec
+        self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, (EMBEDDINGS_TASK,), 0, 0)
+        log.info("loaded %s (%s, %d dimensions, %d tokens) from %s", spec.name, family_name, embedder.dimension,
+                 embedder.max_tokens, spec.path)
+
+    def _load_speech(self, spec: ModelSpec, family_name: str) -> None:
+        speech = SpeechModel(spec.name, spec.path, family_name, device=spec.device, dtype=spec.dtype)
+        self.executor.add_pool(f"{spec.name}/tts", speech.stage, spec.pools.get("tts") or TTS_POOL)
+        self._speakers[spec.name] = speech
+        self._specs[spec.name] = spec
+        self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, (SPEECH_TASK,), 0, 0,
+                                           voices=speech.voices)
+        log.info("loaded %s (%s, %d Hz, voices %s) from %s", spec.name, family_name, speech.sample_rate,
+                 list(speech.voices), spec.path)
+
+    def _load_asr(self, spec: ModelSpec) -> None:
+        asr = TranscriptionModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.asr)
+        self.executor.add_pool(f"{spec.name}/asr", asr.stage, spec.pools.get("asr") or ASR_POOL)
+        self._transcribers[spec.name] = asr
+        self._specs[spec.name] = spec
+        self.models[spec.name] = ModelInfo(spec.name, ASR_FAMILY, spec.path, asr.tasks, 0, 0)
+        log.info("loaded %s (%s, %s) from %s", spec.name, ASR_FAMILY,
+                 "English-only" if asr.english_only else "multilingual", spec.path)
+
     def _warm(self, name: str) -> None:
+        if name in self._transcribers:  # one second of silence
+            self.submit_transcription(name, TranscriptionRequest(np.zeros(16000, np.float32))).result(timeout=600)
+            return
+        if name in self._speakers:
+            self.submit_speech(name, SpeechRequest("warm-up")).result(timeout=600)
+            return
+        if name in self._embedders:
+            self.submit_embeddings(name, EmbeddingRequest(["warm-up"])).result(timeout=600)
+            return
         if name in self._chats:
             params = SamplingParams(temperature=0, max_tokens=1)
             self.submit_chat(name, ChatRequest(prompt="warm-up", params=params)).result(timeout=600)
@@ -128,9 +197,30 @@ class Engine:
         {"choices": [{"index", "text", "token_ids", "finish_reason", "logprobs"}], "usage": {...}}.
         """
         chat = self.chat_model(model)
+        if isinstance(chat, VLMChatModel) and request.messages is not None and has_media_parts(request.messages):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop in this thread: run the fetch and decode here
+                return asyncio.run(self.asubmit_chat(model, request, request_id=request_id))
+            raise RuntimeError("submit_chat with image or video parts inside an event loop: await asubmit_chat")
         generation = chat.generation_request(request)
         graph = StageGraph.chain(("llm", f"{model}/llm"))
         return self.executor.submit(graph, {"request": generation}, request_id=request_id,
+                                    deadline_s=self.config.request_timeout_s, model=model,
+                                    max_inflight=self._specs[model].max_inflight)
+
+    async def asubmit_chat(self, model: str, request: ChatRequest, *, request_id: str | None = None) -> RequestHandle:
+        """submit_chat for callers in an event loop; images and video (vision-language models) go this way:
+        content parts checked -> sources fetched and decoded (media workers) -> placeholders expanded, the
+        context checked with the media tokens counted -> vision_encode -> llm. Same events as submit_chat."""
+        chat = self.chat_model(model)
+        if not isinstance(chat, VLMChatModel) or request.messages is None or not has_media_parts(request.messages):
+            return self.submit_chat(model, request, request_id=request_id)
+        parsed = chat.parse(request)
+        media = await load_media(self, chat, parsed)
+        generation, tasks = chat.generation_request_with_media(request, parsed, media)
+        graph = StageGraph.chain(("vision_encode", f"{model}/vision_encode"), ("llm", f"{model}/llm"))
+        return self.executor.submit(graph, {"request": generation, "media": tasks}, request_id=request_id,
                                     deadline_s=self.config.request_timeout_s, model=model,
                                     max_inflight=self._specs[model].max_inflight)
 
@@ -153,6 +243,63 @@ class Engine:
         family = self.family(model)
         request = family.validate(request, self.config.limits)
         return self.executor.submit(self.graph(model), {"request": request}, request_id=request_id,
+                                    deadline_s=self.config.request_timeout_s, model=model,
+                                    max_inflight=self._specs[model].max_inflight)
+
+    def embedding_model(self, model: str) -> EmbeddingModel:
+        embedder = self._embedders.get(model)
+        if embedder is None:
+            raise RequestError("model", f"model {model!r} does not exist or does not embed; embedding models: "
+                               f"{sorted(self._embedders)}", code="model_not_found", status=404)
+        return embedder
+
+    def submit_embeddings(self, model: str, request: EmbeddingRequest, *, request_id: str | None = None) -> RequestHandle:
+        """Check and tokenize (images decoded already), then run the embed stage.
+
+        Final outputs: {"embeddings": float32 [n, D] in input order, "prompt_tokens": int}.
+        """
+        job = self.embedding_model(model).job(request)
+        graph = StageGraph.chain(("embed", f"{model}/embed"))
+        return self.executor.submit(graph, {"request": job}, request_id=request_id,
+                                    deadline_s=self.config.request_timeout_s, model=model,
+                                    max_inflight=self._specs[model].max_inflight)
+
+    def speech_model(self, model: str) -> SpeechModel:
+        speech = self._speakers.get(model)
+        if speech is None:
+            raise RequestError("model", f"model {model!r} does not exist or does not speak; text-to-speech models: "
+                               f"{sorted(self._speakers)}", code="model_not_found", status=404)
+        return speech
+
+    def submit_speech(self, model: str, request: SpeechRequest, *, request_id: str | None = None) -> RequestHandle:
+        """Check, split into phrases and tokenize, then run the tts stage (stages/tts.py).
+
+        Events: DELTA {"index", "audio": float32 [n], "sample_rate"} per phrase, in order; FINAL outputs
+        {"audio": float32 [N] (the DELTAs concatenated), "sample_rate", "phrases", "input_tokens"}.
+        """
+        job = self.speech_model(model).job(request)
+        graph = StageGraph.chain(("tts", f"{model}/tts"))
+        return self.executor.submit(graph, {"request": job}, request_id=request_id,
+                                    deadline_s=self.config.request_timeout_s, model=model,
+                                    max_inflight=self._specs[model].max_inflight)
+
+    def transcription_model(self, model: str) -> TranscriptionModel:
+        asr = self._transcribers.get(model)
+        if asr is None:
+            raise RequestError("model", f"model {model!r} does not exist or does not transcribe; speech recognition "
+                               f"models: {sorted(self._transcribers)}", code="model_not_found", status=404)
+        return asr
+
+    def submit_transcription(self, model: str, request: TranscriptionRequest, *,
+                             request_id: str | None = None) -> RequestHandle:
+        """Check and cut into 30 s windows, then run the asr stage (stages/asr.py: features, encoder, decode).
+
+        Events: DELTA {"text"} as text is decoded (request.stream only), in order; FINAL outputs {"text",
+        "segments": [stages.asr_transcript.Segment], "language": code, "duration": s, "windows": [DecodedWindow]}.
+        """
+        job = self.transcription_model(model).job(request)
+        graph = StageGraph.chain(("asr", f"{model}/asr"))
+        return self.executor.submit(graph, {"request": job}, request_id=request_id,
                                     deadline_s=self.config.request_timeout_s, model=model,
                                     max_inflight=self._specs[model].max_inflight)
 
@@ -183,6 +330,14 @@ class Engine:
         except MediaError as exc:
             raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
         return decoded.to_pil()
+
+    async def run_media(self, fn_name: str, *args, param: str, **kwargs):
+        """A media worker function (decode_image, probe_video, decode_video, ...), awaited; errors name `param`."""
+        from stages.media import MediaError
+        try:
+            return await asyncio.wrap_future(self.media().submit(fn_name, *args, **kwargs))
+        except MediaError as exc:
+            raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
 
     async def load_source(self, source: str, *, param: str) -> bytes:
         """The bytes of a `data:` URI, an http(s) URL or an allowed file:// path, fetched safely."""

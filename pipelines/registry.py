@@ -13,7 +13,20 @@ FAMILIES = {
     "sd3": "pipelines.families.sd3:StableDiffusion3Family",
     "flux": "pipelines.families.flux:FluxFamily",
 }
-SUPPORTED_FAMILIES: tuple[str, ...] = (*FAMILIES, "causal-lm")
+SUPPORTED_FAMILIES: tuple[str, ...] = (*FAMILIES, "causal-lm", "embedding", "clip-embedding", "vlm", "vits", "speecht5",
+                                          "whisper")
+# config.json `architectures` served as vision-language chat models (pipelines/vlm.py, encoders/ADAPTERS).
+VLM_ARCHITECTURES = {"LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                     "Qwen2_5_VLForConditionalGeneration"}
+# config.json `architectures` served as embeddings (pipelines/embeddings.py): bare text encoders
+# (mean pooling) and CLIP. A sentence-transformers checkpoint (modules.json) is "embedding" whatever its architecture.
+TEXT_EMBEDDING_ARCHITECTURES = {"BertModel", "RobertaModel", "XLMRobertaModel", "MPNetModel", "DistilBertModel",
+                                "ModernBertModel"}
+CLIP_EMBEDDING_ARCHITECTURES = {"CLIPModel"}
+# config.json `architectures` served as text-to-speech (pipelines/tts.py) -> family.
+TTS_ARCHITECTURES = {"VitsModel": "vits", "SpeechT5ForTextToSpeech": "speecht5"}
+# config.json `architectures` served as speech recognition (pipelines/asr.py).
+ASR_ARCHITECTURES = {"WhisperForConditionalGeneration"}
 
 # model_index.json `_class_name` -> family. Listed here (not imported from the family files) so
 # that detection stays cheap and works before any family module is importable.
@@ -52,8 +65,22 @@ def _read_index(path: str) -> tuple[dict | None, dict | None]:
     return found[0], found[1]
 
 
+def _has_file(path: str, name: str) -> bool:
+    """Whether a local directory, or a hub id in the local cache, holds `name`."""
+    if Path(path).exists():
+        return (Path(path) / name).is_file()
+    try:
+        from huggingface_hub import hf_hub_download
+        hf_hub_download(path, name)
+        return True
+    except Exception:  # not cached (the server is offline) or not in that repository
+        return False
+
+
 def detect_family(path: str) -> str:
     """The family of a checkpoint from model_index.json `_class_name` or config.json `architectures`."""
+    if _has_file(path, "modules.json"):
+        return "embedding"  # sentence-transformers: its own files say how to pool and normalise
     index, config = _read_index(path)
     supported = ", ".join(f"{f} ({', '.join(sorted(c for c, fam in CLASS_NAMES.items() if fam == f))})"
                           for f in SUPPORTED_FAMILIES)
@@ -66,6 +93,17 @@ def detect_family(path: str) -> str:
             return CLASS_NAMES[name]
         raise ValueError(f"{path}: model_index.json names {name!r}, which mmserve does not serve. Supported: {supported}")
     arch = (config or {}).get("architectures") or []
+    if any(a in VLM_ARCHITECTURES for a in arch):
+        return "vlm"
     if any(a.endswith("ForCausalLM") for a in arch):
         return "causal-lm"  # any transformers decoder LM (Llama, Qwen2, Mistral, Gemma, Phi, ...)
+    if any(a in CLIP_EMBEDDING_ARCHITECTURES for a in arch):
+        return "clip-embedding"
+    if any(a in TEXT_EMBEDDING_ARCHITECTURES for a in arch):
+        return "embedding"
+    if any(a in ASR_ARCHITECTURES for a in arch):
+        return "whisper"
+    tts = [TTS_ARCHITECTURES[a] for a in arch if a in TTS_ARCHITECTURES]
+    if tts:
+        return tts[0]
     raise ValueError(f"{path}: config.json architectures {arch} are not a supported family. Supported: {supported}")

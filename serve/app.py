@@ -10,7 +10,8 @@ import time
 
 from fastapi import FastAPI
 
-from serve import routes_chat, routes_images, routes_system
+from serve import routes_chat, routes_embeddings, routes_images, routes_speech, routes_system
+from serve import routes_transcriptions
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
 from serve.metrics import RequestCounter
@@ -31,7 +32,10 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.state.max_upload_bytes = max_upload_bytes
     app.state.created = int(time.time())  # the `created` of every model object
     app.include_router(routes_chat.router)
+    app.include_router(routes_embeddings.router)
     app.include_router(routes_images.router)
+    app.include_router(routes_speech.router)
+    app.include_router(routes_transcriptions.router)
     app.include_router(routes_system.router)
     install_error_handlers(app)
     app.add_middleware(RequestCounter, counter=engine.metrics.requests)

@@ -63,6 +63,17 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--families", nargs="+", default=list(DEMO_FAMILIES), choices=DEMO_FAMILIES)
     d.set_defaults(run=_demo_models)
 
+    c = sub.add_parser("convert", help="convert a checkpoint of another format into a standard transformers one")
+    csub = c.add_subparsers(dest="format", required=True)
+    cw = csub.add_parser("whisper-ct2", help="CTranslate2 Whisper (faster-whisper's format) -> transformers Whisper",
+                         description="Convert a CTranslate2 Whisper directory (model.bin, config.json, tokenizer.json) "
+                                     "into a transformers checkpoint that `serve --model NAME=DST` serves.")
+    cw.add_argument("src", type=Path, help="CTranslate2 model directory")
+    cw.add_argument("dst", type=Path, help="output directory (created)")
+    cw.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="weights dtype of the output (default float32)")
+    cw.set_defaults(run=_convert_whisper_ct2)
+
     g = sub.add_parser("generate", help="run one request in this process (no server)")
     gsub = g.add_subparsers(dest="what", required=True)
     gi = gsub.add_parser("image", help="text-to-image into a file")
@@ -159,6 +170,17 @@ def _usage(build):
 def _demo_models(args) -> int:
     for spec in _usage(lambda: demo_specs(args.dir, tuple(args.families))):
         print(f"{spec.name}\t{spec.family}\t{spec.path}")
+    return 0
+
+
+# -- convert ------------------------------------------------------------------------------
+
+
+def _convert_whisper_ct2(args) -> int:
+    from pipelines.convert_whisper import convert_whisper_ct2
+
+    dst = _usage(lambda: convert_whisper_ct2(args.src, args.dst, dtype=args.dtype))
+    print(f"wrote {dst} (serve it with: mmserve serve --model whisper={dst})")
     return 0
 
 

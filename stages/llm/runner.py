@@ -1,4 +1,8 @@
-"""ModelRunner: a transformers causal LM, its paged KV tensors, and one forward per Plan (execution only)."""
+"""ModelRunner: a transformers causal LM, its paged KV tensors, and one forward per Plan (execution only).
+
+A vision-language model passes its already-loaded model, its language decoder and whether it uses
+M-RoPE: the runner then embeds the prompt itself and splices the media features in (multimodal.py).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stages.llm import attention
+from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -29,12 +34,19 @@ class KVShape:
 
 class ModelRunner:
     def __init__(self, path: str, *, device: str = "cpu", dtype: str = "float32", block_size: int = 16,
-                 kv_cache_mb: float = 256, num_blocks: int | None = None):
+                 kv_cache_mb: float = 256, num_blocks: int | None = None, model=None, decoder=None,
+                 mrope: bool = False):
+        """`model`: an already-loaded model whose language part uses the paged attention (a VLM), with
+        `decoder` its language model (embeddings in, hidden states out); `mrope`: 3-D positions."""
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype,
-                                                          attn_implementation=attention.register())
-        self.model.to(self.device).eval()
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype,
+                                                         attn_implementation=attention.register())
+            model.to(self.device).eval()
+        self.model = model
+        self.decoder = decoder if decoder is not None else getattr(model, model.base_model_prefix)
+        self.mrope = mrope
         config = self.model.config.get_text_config()
         self.config = config
         heads = config.num_attention_heads
@@ -49,6 +61,7 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv.num_layers)]
         self.max_context = getattr(config, "max_position_embeddings", None) or 2048
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.hidden_size = config.hidden_size
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> torch.Tensor:
@@ -72,9 +85,21 @@ class ModelRunner:
             query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(dev),
             context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=dev),
             block_tables=tables.to(dev), all_decode=bool((lengths == 1).all()))
-        base = getattr(self.model, self.model.base_model_prefix)
-        hidden = base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                      paged=meta).last_hidden_state[0]  # [T, H]
+        inputs = {"input_ids": input_ids[None]}
+        if any(c.seq.media for c in chunks):  # embed, then splice each chunk's slice of its media features
+            embeds = self.model.get_input_embeddings()(input_ids)  # [T, H]
+            row = 0
+            for c in chunks:
+                splice(embeds, row, c.start, c.context_len, c.seq.media)
+                row += len(c.token_ids)
+            inputs = {"inputs_embeds": embeds[None]}
+        if self.mrope:  # [3, 1, T]: temporal, height, width positions
+            positions = torch.cat([mrope_positions(c.seq.mrope, c.start, c.context_len) for c in chunks],
+                                  dim=1)[:, None].to(dev)
+        else:
+            positions = positions[None]
+        hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
+                              paged=meta).last_hidden_state[0]  # [T, H]
         last = torch.tensor([int(meta.query_start_loc[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample],
                             dtype=torch.long, device=dev)
         logits = self.model.get_output_embeddings()(hidden[last]).float()

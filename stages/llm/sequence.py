@@ -33,6 +33,8 @@ class Sequence:
     arrival: float = 0.0  # admission time (FCFS order)
     output: Any = None  # streaming text state (detokenizer + stop matcher), owned by the stage
     logprobs: list = field(default_factory=list)  # per output token, when asked
+    media: tuple = ()  # MediaSpans with features: spliced into the prompt's embeddings at every (re)prefill
+    mrope: Any = None  # MRoPE positions of the prompt (Qwen2-VL-style models), else None
 
     @property
     def token_ids(self) -> list[int]:

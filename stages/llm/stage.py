@@ -8,6 +8,7 @@ blocks are released (no forward is in flight between steps: release after comple
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 from stages.events import EventKind, StageError
 from stages.llm.blocks import BlockManager, BlockTable
 from stages.llm.detokenizer import OutputText
+from stages.llm.multimodal import MediaSpan, MRoPE, attach_features
 from stages.llm.params import SamplingParams
 from stages.llm.runner import ModelRunner
 from stages.llm.sampling import make_generator, sample
@@ -31,9 +33,13 @@ from stages.stage import LoopStage, WorkItem
 class GenerationRequest:
     """What the llm stage runs: token ids and sampling, already validated."""
 
-    prompt_ids: tuple[int, ...]  # the rendered, tokenized prompt
+    prompt_ids: tuple[int, ...]  # the rendered, tokenized prompt (media placeholders expanded)
     params: SamplingParams
-    namespace: Hashable  # prefix-cache identity beyond the tokens: (weights id, adapter, tenant)
+    # Prefix-cache identity beyond the tokens: (weights id, adapter, tenant[, media identities]). Tokens
+    # after a media span depend on the media, so a prompt with media carries every media identity.
+    namespace: Hashable
+    media: tuple[MediaSpan, ...] = ()  # placeholder spans; features arrive from vision_encode ("features")
+    mrope: MRoPE | None = None  # 3-D prompt positions for M-RoPE models
 
 
 class LLMStage(LoopStage):
@@ -57,6 +63,10 @@ class LLMStage(LoopStage):
     # -- requests in and out --------------------------------------------------------------------
     def start(self, item: WorkItem) -> None:
         req: GenerationRequest = item.inputs["request"]
+        if req.media or item.inputs.get("features"):
+            media = attach_features(req.media, item.inputs.get("features"), num_tokens=len(req.prompt_ids),
+                                    hidden_size=self.runner.hidden_size)
+            req = dataclasses.replace(req, media=media)
         if len(req.prompt_ids) >= self.runner.max_context:
             raise StageError("context_length_exceeded", f"the prompt is {len(req.prompt_ids)} tokens; this model's "
                              f"context is {self.runner.max_context}", param="messages", status=400)
@@ -66,8 +76,8 @@ class LLMStage(LoopStage):
         except ValueError as e:
             raise StageError("context_length_exceeded", str(e), param="messages", status=400) from None
         self._owner[seq.seq_id] = item
-        item.state.update(seqs=[seq], pending_children=req.params.n - 1, started=time.monotonic(), first=None,
-                          last=None)
+        item.state.update(request=req, seqs=[seq], pending_children=req.params.n - 1, started=time.monotonic(),
+                          first=None, last=None)
 
     def abort(self, item: WorkItem) -> None:
         for seq in item.state.get("seqs", ()):
@@ -168,12 +178,13 @@ class LLMStage(LoopStage):
     # -- sequences ----------------------------------------------------------------------------
     def _new_seq(self, req: GenerationRequest, index: int, generator: torch.Generator) -> Sequence:
         seq = Sequence(seq_id=next(self._ids), index=index, prompt_ids=list(req.prompt_ids), params=req.params,
-                       namespace=req.namespace, generator=generator, arrival=time.monotonic())
+                       namespace=req.namespace, generator=generator, arrival=time.monotonic(), media=req.media,
+                       mrope=req.mrope)
         seq.output = OutputText(self.tokenizer, req.prompt_ids, req.params.stop)
         return seq
 
     def _fork_children(self, item: WorkItem, parent: Sequence) -> list[Sequence]:
-        req: GenerationRequest = item.inputs["request"]
+        req: GenerationRequest = item.state["request"]  # with its media features: a preempted child re-prefills
         children = []
         for index in range(1, req.params.n):
             seed = None if req.params.seed is None else req.params.seed + index  # one stream per choice

@@ -1,0 +1,88 @@
+"""Incremental speech recognition for realtime sessions: partial hypotheses as audio arrives, a final one at an endpoint.
+
+The method is the simplest that is correct: the utterance so far is kept in a buffer and
+re-decoded from scratch, through the same engine call (and so the same asr stage, batching
+and limits) as REST requests, every `partial_every_s` seconds of new audio; `endpoint()` (called
+by the session's VAD, or forced at `max_utterance_s`) decodes it once more as the final
+hypothesis and starts a new utterance.
+
+Cost: Whisper's encoder always runs a full 30 s window, so every partial costs one window
+encode (~0.1-0.3 s of CPU for tiny.en) plus a decode of the text so far. An utterance of L
+seconds therefore costs about L / partial_every_s window encodes and O(L^2 / partial_every_s)
+decoded tokens, against one encode for a single final decode: raise `partial_every_s` when
+partials are too expensive. Partials are not guaranteed to be prefixes of each other or of
+the final text (a re-decode may revise earlier words).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipelines.asr import SAMPLE_RATE, TranscriptionRequest
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    text: str  # the transcript of the utterance so far (final: of the whole utterance)
+    final: bool  # True at an endpoint: the utterance is over and a new one starts
+    start_s: float  # where the utterance starts in the session's audio
+    audio_s: float  # seconds of audio the hypothesis covers
+
+
+class IncrementalTranscriber:
+    """One session's speech recognition state. Feed 16 kHz mono float32 audio as it arrives."""
+
+    def __init__(self, engine, model: str, *, language: str | None = None, prompt: str | None = None,
+                 partial_every_s: float = 1.0, max_utterance_s: float = 28.0):
+        if partial_every_s <= 0 or not 0 < max_utterance_s <= 30:
+            raise ValueError("partial_every_s must be > 0 and max_utterance_s in (0, 30] (one Whisper window)")
+        engine.transcription_model(model).check(TranscriptionRequest(np.zeros(0, np.float32), language=language,
+                                                                     prompt=prompt))
+        self.engine = engine
+        self.model = model
+        self.language = language
+        self.prompt = prompt
+        self.partial_every_s = partial_every_s
+        self.max_utterance_s = max_utterance_s
+        self._chunks: list[np.ndarray] = []  # the utterance's audio
+        self._samples = 0  # its length
+        self._decoded_at = 0  # buffer length at the last partial
+        self._start_s = 0.0  # where the utterance starts in the session
+
+    @property
+    def buffered_s(self) -> float:
+        return self._samples / SAMPLE_RATE
+
+    async def feed(self, samples: np.ndarray) -> list[Hypothesis]:
+        """Add audio; returns the hypotheses it made due: a partial, and a final one if the utterance grew too long."""
+        out: list[Hypothesis] = []
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        limit = int(self.max_utterance_s * SAMPLE_RATE)
+        while len(samples):
+            take = samples[: limit - self._samples]
+            samples = samples[len(take):]
+            self._chunks.append(take)
+            self._samples += len(take)
+            if self._samples >= limit:
+                out.append(await self.endpoint())
+        if self._samples - self._decoded_at >= self.partial_every_s * SAMPLE_RATE:
+            self._decoded_at = self._samples
+            out.append(Hypothesis(await self._transcribe(), False, self._start_s, self.buffered_s))
+        return out
+
+    async def endpoint(self) -> Hypothesis:
+        """The final hypothesis of the utterance so far (empty text without audio); then a new utterance starts."""
+        text = await self._transcribe() if self._samples else ""
+        final = Hypothesis(text, True, self._start_s, self.buffered_s)
+        self._start_s += self.buffered_s
+        self._chunks, self._samples, self._decoded_at = [], 0, 0
+        return final
+
+    async def _transcribe(self) -> str:
+        audio = np.concatenate(self._chunks)
+        request = TranscriptionRequest(audio, language=self.language, prompt=self.prompt)
+        handle = await asyncio.to_thread(self.engine.submit_transcription, self.model, request)
+        return (await handle.aresult())["text"]

@@ -1,0 +1,208 @@
+"""Vision-language chat models (LLaVA, Qwen2-VL, Qwen2.5-VL) loaded from standard checkpoints.
+
+A request's way: content parts are checked (chat_parts) -> sources fetched and decoded in the
+media workers (`load_media`) -> the chat template renders one placeholder per image / video,
+each placeholder is expanded to the item's feature length (planned from its size), the prompt
+is checked against the context with the media tokens counted -> vision_encode -> llm.
+
+The model is loaded once: its vision tower and projector serve the encoder adapter, its
+language model (paged attention) serves the runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from encoders.cache import EncoderCache
+from encoders.vision import EncodeTask, MediaItem, adapter_class
+from pipelines.chat import ChatModel, ChatRequest, LLMConfig
+from pipelines.chat_parts import ParsedChat, VLMConfig, parse_messages
+from pipelines.request import RequestError
+from stages.llm import attention
+from stages.llm.multimodal import MediaSpan, MRoPE
+from stages.llm.runner import DTYPES, ModelRunner
+from stages.llm.stage import GenerationRequest
+from stages.metrics import Metrics
+from stages.vision import VisionEncodeStage
+
+VLM_FAMILY = "vlm"
+
+
+class VLMChatModel(ChatModel):
+    """A loaded VLM: processor + chat template, the vision adapter and its stage, the runner and the llm stage."""
+
+    def __init__(self, name: str, path: str, *, device: str, dtype: str, config: LLMConfig, vlm: VLMConfig,
+                 metrics: Metrics, cache: EncoderCache):
+        import torch
+        import transformers
+
+        self.name = name
+        self.vlm = vlm
+        self.processor = transformers.AutoProcessor.from_pretrained(path)
+        self.tokenizer = self.processor.tokenizer
+        architecture = _architecture(path)
+        cls = getattr(transformers, architecture)
+        # Paged attention for the language model only; the vision tower keeps its default attention.
+        model = cls.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation={"text_config": attention.register()})
+        model.to(device).eval()
+        self.weights_id = f"{VLM_FAMILY}:{path}:{_fingerprint(path, model)}"
+        self.adapter = adapter_class(architecture)(model, self.processor, weights_id=self.weights_id,
+                                                   dtype=DTYPES[dtype], device=torch.device(device),
+                                                   low_detail_max_pixels=vlm.low_detail_max_pixels)
+        self.runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
+                                  kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
+                                  mrope=self.adapter.uses_mrope)
+        self.stage = self._llm_stage(config, metrics)
+        self.encode_stage = VisionEncodeStage(name, self.adapter, cache, metrics, vlm.max_items_per_forward)
+
+    # -- text-only requests (ChatModel.generation_request) ------------------------------------------
+    def _prompt_ids(self, request: ChatRequest) -> list[int]:
+        if request.messages is None:
+            ids = super()._prompt_ids(request)
+        else:
+            parsed = self.parse(request)
+            if parsed.media:
+                raise RequestError("messages", "requests with image or video parts go through Engine.asubmit_chat")
+            ids = self._render(parsed, [])
+        if set(ids) & set(self.adapter.token_ids.values()):  # a placeholder without features: refuse, never guess
+            raise RequestError("prompt" if request.messages is None else "messages", "the prompt holds the model's "
+                               "image/video placeholder token but no image or video part")
+        return ids
+
+    # -- multimodal requests --------------------------------------------------------------------------
+    def parse(self, request: ChatRequest) -> ParsedChat:
+        """Content parts and media limits; the text alone must fit the context (before any fetch)."""
+        parsed = parse_messages(request.messages, self.vlm)
+        text_tokens = len(self._render(parsed, [[] for _ in parsed.media]))
+        if text_tokens >= self.runner.max_context:
+            raise RequestError("messages", f"the text alone is {text_tokens} tokens; this model's context is "
+                               f"{self.runner.max_context} tokens", code="context_length_exceeded")
+        return parsed
+
+    def generation_request_with_media(self, request: ChatRequest, parsed: ParsedChat,
+                                      media: list[list[MediaItem]]) -> tuple[GenerationRequest, tuple[EncodeTask, ...]]:
+        """Render, expand the placeholders to each item's feature length, check the context: what will run.
+
+        `media[i]` holds the decoded items of parsed.media[i] (a video is one item, or its frames for models
+        that take videos as images).
+        """
+        try:
+            request.params.check_vocab(self.runner.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e).split(" ")[0].strip(":"), str(e)) from None
+        # 1. plan every item: geometry (token count) and cache identity, from sizes alone
+        queues: dict[str, collections.deque[EncodeTask]] = {"image": collections.deque(), "video": collections.deque()}
+        for part, items in zip(parsed.media, media, strict=True):
+            for item in items:
+                try:
+                    queues[item.kind].append(self.adapter.task(item, request.tenant))
+                except ValueError as e:
+                    raise RequestError(part.param, str(e), code="invalid_media") from None
+        # 2. render the template (one placeholder per item), then expand each placeholder in place
+        ids = self._render(parsed, media)
+        kinds = {token: kind for kind, token in self.adapter.token_ids.items()}
+        prompt: list[int] = []
+        spans: list[MediaSpan] = []
+        tasks: list[EncodeTask] = []
+        for token in ids:
+            kind = kinds.get(token)
+            if kind is None:
+                prompt.append(token)
+                continue
+            if not queues[kind]:
+                raise RequestError("messages", f"the prompt holds more {kind} placeholder tokens than {kind}s: message "
+                                   "text must not contain the model's media placeholder tokens")
+            task = queues[kind].popleft()
+            spans.append(MediaSpan(len(prompt), task.geometry.num_tokens, task.identity))
+            tasks.append(task)
+            prompt += [token] * task.geometry.num_tokens
+        if any(queues.values()):
+            raise RequestError("messages", f"model {self.name}'s chat template did not place every image and video")
+        # 3. the context must hold the text and every media token
+        media_tokens = sum(s.length for s in spans)
+        if len(prompt) >= self.runner.max_context:
+            raise RequestError("messages", f"the prompt is {len(prompt)} tokens ({media_tokens} of them for images and "
+                               f"video); this model's context is {self.runner.max_context} tokens",
+                               code="context_length_exceeded")
+        mrope = None
+        if self.adapter.uses_mrope and tasks:
+            positions, delta = self.adapter.rope_positions(prompt, [t.geometry for t in tasks])
+            mrope = MRoPE(positions, delta)
+        # Tokens after a media span depend on it: the prefix-cache namespace carries every media identity.
+        namespace = (self.weights_id, None, request.tenant, tuple(t.identity for t in tasks))
+        return GenerationRequest(tuple(prompt), request.params, namespace, tuple(spans), mrope), tuple(tasks)
+
+    def _render(self, parsed: ParsedChat, media: list[list[MediaItem]]) -> list[int]:
+        """The chat template's token ids, with one placeholder token per media item."""
+        messages = []
+        for message in parsed.messages:
+            content = message["content"]
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part["type"] == "text":
+                        parts.append(part)
+                    else:
+                        parts += [{"type": item.kind} for item in media[part["index"]]]
+                content = parts
+            messages.append({"role": message["role"], "content": content})
+        renderer = self.processor if self.processor.chat_template else self.tokenizer
+        if not renderer.chat_template:
+            raise RequestError("messages", f"model {self.name} has no chat template; use /v1/completions")
+        text = renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+async def load_media(engine, model: VLMChatModel, parsed: ParsedChat) -> list[list[MediaItem]]:
+    """Fetch every source (concurrently), then decode it in the media workers; a video becomes one item,
+    or one image item per sampled frame for models that take videos as images."""
+    sources = await asyncio.gather(*(engine.load_source(p.url, param=p.param) for p in parsed.media))
+    out = []
+    for part, data in zip(parsed.media, sources):
+        if part.kind == "image":
+            image = await engine.run_media("decode_image", data, engine.config.media.image, param=part.param)
+            out.append([MediaItem("image", image.to_pil(), image.content_hash, image.height, image.width,
+                                  detail=part.detail)])
+            continue
+        limits = engine.config.media.video
+        fps = part.fps or model.vlm.default_video_fps
+        max_frames = min(part.max_frames or model.vlm.max_video_frames, model.vlm.max_video_frames)
+        info = await engine.run_media("probe_video", data, limits, param=part.param)
+        sampling = {"fps": fps} if math.ceil(info.duration_s * fps - 1e-6) <= max_frames else {"num_frames": max_frames}
+        video = await engine.run_media("decode_video", data, limits, param=part.param, **sampling)
+        if model.adapter.video_as_images:
+            from encoders.llava import frame_images
+
+            out.append([MediaItem("image", frame, f"{video.content_hash}#frame{i}", video.height, video.width)
+                        for i, frame in enumerate(frame_images(video.frames))])
+        else:
+            out.append([MediaItem("video", video.frames, video.content_hash, video.height, video.width, fps=video.fps,
+                                  frame_count=video.frame_count, indices=tuple(video.indices))])
+    return out
+
+
+def _architecture(path: str) -> str:
+    from transformers import AutoConfig
+
+    architectures = AutoConfig.from_pretrained(path).architectures or []
+    if not architectures:
+        raise ValueError(f"{path}: config.json names no architectures")
+    return architectures[0]
+
+
+def _fingerprint(path: str, model) -> str:
+    """Identity of the weights at `path`: file names, sizes and modification times (hub: the commit)."""
+    root = Path(path)
+    if not root.is_dir():
+        return str(getattr(model.config, "_commit_hash", None) or "hub")
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and f.suffix in (".safetensors", ".bin", ".json"):
+            st = f.stat()
+            h.update(json.dumps([str(f.relative_to(root)), st.st_size, st.st_mtime_ns]).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,145 @@
+"""Image and video chat through a real server process, driven by the official openai client.
+
+One module-scoped server with the tiny demo LLaVA and Qwen2.5-VL (random weights: the text is
+noise, the code path is real) and the demo Llama (a text model refuses media parts). Greedy
+answers equal transformers generate() on the processor's inputs, decoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+try:
+    from tests.test_serve_support import Server, metric
+except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+    from test_serve_support import Server, metric
+
+GREEDY = dict(temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+QUESTION = "what is in it?"
+
+
+def png(seed: int, width: int = 90, height: int = 60) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_uri(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_message(data: bytes, detail: str = "auto") -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(data, "image/png"), "detail": detail}},
+        {"type": "text", "text": QUESTION}]}]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    from pipelines.demo import build_demo_model
+
+    root = tmp_path_factory.mktemp("serve-vlm")
+    return {"llava-demo": build_demo_model("llava", root / "llava"),
+            "qwen-vl-demo": build_demo_model("qwen2_5_vl", root / "qwen"),
+            "llama-demo": build_demo_model("llama", root / "llama"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def server(paths):
+    models = "".join(f"""
+[[models]]
+name = "{name}"
+path = "{paths[name]}"
+[models.llm]
+kv_cache_mb = 8
+block_size = 4
+""" + ("" if name == "llama-demo" else "[models.vlm]\nmax_images = 2\n")
+                     for name in ("llava-demo", "qwen-vl-demo", "llama-demo"))
+    srv = Server(paths["root"], models)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="not-needed", max_retries=0)
+
+
+def reference_text(path, data: bytes, n: int) -> tuple[str, int]:
+    """generate() on the processor's inputs: the decoded answer and the prompt's token count."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model, processor = AutoModelForImageTextToText.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                          "text": QUESTION}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None)
+    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    return processor.tokenizer.decode(ids, skip_special_tokens=True), inputs["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("model", ["llava-demo", "qwen-vl-demo"])
+def test_image_chat_with_the_openai_client(client, server, paths, model):
+    data = png(1)
+    expected, prompt_tokens = reference_text(paths[model], data, 8)
+    reply = client.chat.completions.create(model=model, messages=image_message(data), **GREEDY)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == prompt_tokens and reply.usage.completion_tokens == 8
+    # The same image again, streamed: the encoder cache answers, the text is the same.
+    before = metric(server.url, "mmserve_cache_hits_total", cache="encoder_output")
+    chunks = list(client.chat.completions.create(model=model, messages=image_message(data), stream=True, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert metric(server.url, "mmserve_cache_hits_total", cache="encoder_output") == before + 1
+
+
+def test_models_list_shows_vision_chat(client):
+    entries = {m.id: m.model_dump() for m in client.models.list()}
+    assert "vision-chat" in entries["qwen-vl-demo"]["tasks"] and entries["llava-demo"]["family"] == "vlm"
+
+
+def test_video_chat(client):
+    from stages.media_video import encode_video
+
+    video = encode_video((np.random.RandomState(3).rand(8, 56, 84, 3) * 255).astype("uint8"), fps=4.0)
+    part = {"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4"), "fps": 2.0, "max_frames": 4}}
+    for model in ("qwen-vl-demo", "llava-demo"):
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
+            part, {"type": "text", "text": "what happens?"}]}], **GREEDY)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+
+
+def bad_request(client, model: str, messages) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=messages, **GREEDY)
+    return err.value
+
+
+def test_errors_name_the_field(client):
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]
+    err = bad_request(client, "qwen-vl-demo", audio)
+    assert "audio input needs a speech model" in err.message and err.body["param"] == "messages[0].content[0].type"
+    three = [{"role": "user", "content": image_message(png(2))[0]["content"][:1] * 3}]
+    err = bad_request(client, "llava-demo", three)
+    assert err.body["param"] == "messages[0].content[2].image_url" and "max_images" in err.message
+    err = bad_request(client, "llava-demo", image_message(b"\x89PNG broken"))
+    assert err.body["param"] == "messages[0].content[0].image_url.url"
+    # A text model keeps refusing media parts.
+    err = bad_request(client, "llama-demo", image_message(png(2)))
+    assert err.body["param"] == "messages[0].content[0]" and "text" in err.message
+
+
+def test_remote_image_url_is_fetched_under_the_policy(server):
+    body = {"model": "llava-demo", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/cat.png"}}]}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].image_url.url"
