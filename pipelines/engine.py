@@ -184,11 +184,7 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------
     def chat_model(self, model: str) -> ChatModel:
-        chat = self._chats.get(model)
-        if chat is None:
-            raise RequestError("model", f"model {model!r} does not exist or does not chat; chat models: "
-                               f"{sorted(self._chats)}", code="model_not_found", status=404)
-        return chat
+        return _served(self._chats, model, "chat", "chat models")
 
     def submit_chat(self, model: str, request: ChatRequest, *, request_id: str | None = None) -> RequestHandle:
         """Tokenize (chat template), check, then run the llm stage.
@@ -247,11 +243,7 @@ class Engine:
                                     max_inflight=self._specs[model].max_inflight)
 
     def embedding_model(self, model: str) -> EmbeddingModel:
-        embedder = self._embedders.get(model)
-        if embedder is None:
-            raise RequestError("model", f"model {model!r} does not exist or does not embed; embedding models: "
-                               f"{sorted(self._embedders)}", code="model_not_found", status=404)
-        return embedder
+        return _served(self._embedders, model, "embed", "embedding models")
 
     def submit_embeddings(self, model: str, request: EmbeddingRequest, *, request_id: str | None = None) -> RequestHandle:
         """Check and tokenize (images decoded already), then run the embed stage.
@@ -265,11 +257,7 @@ class Engine:
                                     max_inflight=self._specs[model].max_inflight)
 
     def speech_model(self, model: str) -> SpeechModel:
-        speech = self._speakers.get(model)
-        if speech is None:
-            raise RequestError("model", f"model {model!r} does not exist or does not speak; text-to-speech models: "
-                               f"{sorted(self._speakers)}", code="model_not_found", status=404)
-        return speech
+        return _served(self._speakers, model, "speak", "text-to-speech models")
 
     def submit_speech(self, model: str, request: SpeechRequest, *, request_id: str | None = None) -> RequestHandle:
         """Check, split into phrases and tokenize, then run the tts stage (stages/tts.py).
@@ -284,11 +272,7 @@ class Engine:
                                     max_inflight=self._specs[model].max_inflight)
 
     def transcription_model(self, model: str) -> TranscriptionModel:
-        asr = self._transcribers.get(model)
-        if asr is None:
-            raise RequestError("model", f"model {model!r} does not exist or does not transcribe; speech recognition "
-                               f"models: {sorted(self._transcribers)}", code="model_not_found", status=404)
-        return asr
+        return _served(self._transcribers, model, "transcribe", "speech recognition models")
 
     def submit_transcription(self, model: str, request: TranscriptionRequest, *,
                              request_id: str | None = None) -> RequestHandle:
@@ -365,3 +349,11 @@ def image_task(has_image: bool, has_mask: bool) -> Task:
         return Task.INPAINTING
     return Task.IMAGE_TO_IMAGE if has_image else Task.TEXT_TO_IMAGE
 
+
+def _served(table: dict, model: str, does: str, kinds: str):
+    """The loaded model of one kind, or a 404 naming the models of that kind."""
+    served = table.get(model)
+    if served is None:
+        raise RequestError("model", f"model {model!r} does not exist or does not {does}; {kinds}: {sorted(table)}",
+                           code="model_not_found", status=404)
+    return served
