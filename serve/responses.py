@@ -123,3 +123,34 @@ async def _sse(request: Request, handle: RequestHandle, params: ImageParams, pre
     finally:
         if not handle.done:  # the client went away mid-stream (or the server is stopping)
             handle.cancel()
+
+
+def data_line(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON payload."""
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def event_stream(handle: RequestHandle, on_delta, on_final, opening=()) -> AsyncIterator[str]:
+    """The SSE body of one request: `opening` payloads, then on_delta(event data) and on_final(outputs)
+    payloads as the engine streams, an engine error as `{"error": ...}` (the openai client raises it),
+    and `data: [DONE]`. A client that goes away mid-stream cancels the request."""
+    try:
+        for payload in opening:
+            yield data_line(payload)
+        async for event in handle:
+            if event.kind is EventKind.DELTA:
+                payloads = on_delta(event.data)
+            elif event.kind is EventKind.FINAL:
+                payloads = on_final(event.data["outputs"])
+            elif event.kind is EventKind.ERROR:
+                d = event.data
+                payloads = [error_body(d.get("status", 500), d.get("message", ""), param=d.get("param"),
+                                       code=d.get("code", "internal_error"))]
+            else:
+                continue
+            for payload in payloads:
+                yield data_line(payload)
+        yield "data: [DONE]\n\n"
+    finally:
+        if not handle.done:  # the client went away mid-stream (or the server is stopping)
+            handle.cancel()

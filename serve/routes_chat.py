@@ -7,7 +7,6 @@ when Starlette cancels or closes its generator; the llm stage drops the request 
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, AsyncIterator
 
@@ -17,10 +16,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pipelines.chat import ChatRequest
 from pipelines.request import RequestError
 from serve.auth import tenant_of
-from serve.errors import error_body
-from serve.responses import result_or_cancel
+from serve.responses import event_stream, result_or_cancel
 from serve.schemas_chat import ChatCompletionRequest, ChatReply, CompletionReply, CompletionRequest, TextReply
-from stages.events import EventKind, StageError
+from stages.events import StageError
 from stages.request import RequestHandle
 
 router = APIRouter()
@@ -84,31 +82,10 @@ async def respond(request: Request, handle: RequestHandle, reply: TextReply, *, 
     return JSONResponse(reply.body(outputs), headers=headers)
 
 
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+def _sse(handle: RequestHandle, reply: TextReply) -> AsyncIterator[str]:
+    """OpenAI's chunk stream: opening chunks, one per text delta, finish chunks, usage; then `data: [DONE]`."""
+    def delta(data: dict[str, Any]) -> list[dict[str, Any]]:
+        chunk = reply.delta(data)
+        return [] if chunk is None else [chunk]
 
-
-async def _sse(handle: RequestHandle, reply: TextReply) -> AsyncIterator[str]:
-    """OpenAI's chunk stream: opening chunks, one per text delta, finish chunks, usage; then `data: [DONE]`.
-
-    An engine error mid-stream becomes `data: {"error": {...}}`, which the openai client raises.
-    """
-    try:
-        for chunk in reply.opening():
-            yield _data(chunk)
-        async for event in handle:
-            if event.kind is EventKind.DELTA:
-                chunk = reply.delta(event.data)
-                if chunk is not None:
-                    yield _data(chunk)
-            elif event.kind is EventKind.FINAL:
-                for chunk in reply.closing(event.data["outputs"]):
-                    yield _data(chunk)
-            elif event.kind is EventKind.ERROR:
-                d = event.data
-                yield _data(error_body(d.get("status", 500), d.get("message", ""), param=d.get("param"),
-                                       code=d.get("code", "internal_error")))
-        yield "data: [DONE]\n\n"
-    finally:
-        if not handle.done:  # the client went away mid-stream (or the server is stopping)
-            handle.cancel()
+    return event_stream(handle, delta, reply.closing, reply.opening())

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from serve.errors import error_body
-from stages.events import EventKind
+from serve.responses import event_stream
 from stages.request import RequestHandle
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -67,31 +65,15 @@ def transcript_response(outputs: dict[str, Any], response_format: str, task: str
     return JSONResponse({"text": outputs["text"], "usage": usage_duration(outputs)}, headers=headers)
 
 
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-async def transcript_events(handle: RequestHandle) -> AsyncIterator[str]:
+def transcript_events(handle: RequestHandle) -> AsyncIterator[str]:
     """OpenAI's transcription stream: `transcript.text.delta` per piece of text, then `transcript.text.done`.
 
-    The deltas concatenate to the done event's text. An engine error becomes `data: {"error": ...}`,
-    which the openai client raises.
+    The deltas concatenate to the done event's text.
     """
-    try:
-        async for event in handle:
-            if event.kind is EventKind.DELTA:
-                yield _data({"type": "transcript.text.delta", "delta": event.data["text"]})
-            elif event.kind is EventKind.FINAL:
-                outputs = event.data["outputs"]
-                output_tokens = sum(len(s.tokens) for s in outputs["segments"])
-                yield _data({"type": "transcript.text.done", "text": outputs["text"],
-                             "usage": {"type": "tokens", "input_tokens": 0, "output_tokens": output_tokens,
-                                       "total_tokens": output_tokens}})
-            elif event.kind is EventKind.ERROR:
-                d = event.data
-                yield _data(error_body(d.get("status", 500), d.get("message", ""), param=d.get("param"),
-                                       code=d.get("code", "internal_error")))
-        yield "data: [DONE]\n\n"
-    finally:
-        if not handle.done:  # the client went away mid-stream (or the server is stopping)
-            handle.cancel()
+    def done(outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        output_tokens = sum(len(s.tokens) for s in outputs["segments"])
+        return [{"type": "transcript.text.done", "text": outputs["text"],
+                 "usage": {"type": "tokens", "input_tokens": 0, "output_tokens": output_tokens,
+                           "total_tokens": output_tokens}}]
+
+    return event_stream(handle, lambda d: [{"type": "transcript.text.delta", "delta": d["text"]}], done)
