@@ -25,9 +25,38 @@ def main() -> None:
         print(model.id, getattr(model, "tasks", None))
     result = client.images.generate(model=args.model, prompt="a red bicycle", size="64x64",
                                     response_format="b64_json", extra_body={"seed": 1, "num_inference_steps": 2})
+    image = base64.b64decode(result.data[0].b64_json)
     with open(args.output, "wb") as f:
-        f.write(base64.b64decode(result.data[0].b64_json))
+        f.write(image)
     print(f"saved {args.output}")
+    served = {m.id for m in client.models.list()}
+
+    # Chat with the demo language model, then about the image just made with a vision-language model.
+    if "llama-demo" in served:
+        reply = client.chat.completions.create(model="llama-demo", messages=[{"role": "user", "content": "Hello!"}],
+                                               max_tokens=8, temperature=0)
+        print("chat:", reply.choices[0].finish_reason, reply.usage.completion_tokens, "tokens")
+    if "qwen-vl-demo" in served:
+        data_uri = "data:image/png;base64," + base64.b64encode(image).decode()
+        reply = client.chat.completions.create(model="qwen-vl-demo", max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                         {"type": "image_url", "image_url": {"url": data_uri}}]}])
+        print("image chat:", reply.choices[0].finish_reason, reply.usage.prompt_tokens, "prompt tokens")
+
+    # Embeddings, speech and transcription when those demo models are served.
+    embedder = next((m for m in ("minilm-demo", "clip-demo") if m in served), None)
+    if embedder:
+        vectors = client.embeddings.create(model=embedder, input=["a cat", "a kitten"])
+        print("embeddings:", len(vectors.data), "x", len(vectors.data[0].embedding))
+    if "vits-demo" in served:
+        speech = client.audio.speech.create(model="vits-demo", voice="alloy", input="Hello there.",
+                                            response_format="wav")
+        audio = speech.read()
+        print("speech:", len(audio), "bytes of wav")
+        asr = next((m for m in ("whisper-tiny-en", "whisper-demo") if m in served), None)
+        if asr:
+            text = client.audio.transcriptions.create(model=asr, file=("hello.wav", audio, "audio/wav"))
+            print("transcription:", repr(text.text))
 
 
 if __name__ == "__main__":
