@@ -8,6 +8,7 @@ from pipelines.asr import AsrConfig
 from pipelines.chat import LLMConfig
 from pipelines.chat_parts import VLMConfig
 from pipelines.request import ImageLimits
+from pipelines.video import VideoConfig
 from stages.media import ImageDecodeLimits
 from stages.media_audio import AudioDecodeLimits
 from stages.media_fetch import FetchPolicy
@@ -28,6 +29,7 @@ class ModelSpec:
     llm: LLMConfig = LLMConfig()  # causal LMs only: KV budget, block size, batching limits
     vlm: VLMConfig = VLMConfig()  # vision-language models only: media limits per request, encoder batching
     asr: AsrConfig = AsrConfig()  # speech recognition (Whisper) only: windows per forward, tokens per window
+    video: VideoConfig = VideoConfig()  # video families (wan, ltx) only: VAE tiling/slicing, request limits
 
 
     def __post_init__(self):

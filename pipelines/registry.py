@@ -12,6 +12,8 @@ FAMILIES = {
     "sdxl": "pipelines.families.sdxl:StableDiffusionXLFamily",
     "sd3": "pipelines.families.sd3:StableDiffusion3Family",
     "flux": "pipelines.families.flux:FluxFamily",
+    "wan": "pipelines.families.wan:WanFamily",  # video (pipelines/video.py)
+    "ltx": "pipelines.families.ltx:LTXFamily",
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = (*FAMILIES, "causal-lm", "embedding", "clip-embedding", "vlm", "vits", "speecht5",
                                           "whisper")
@@ -36,6 +38,7 @@ CLASS_NAMES = {
     "StableDiffusionXLInpaintPipeline": "sdxl",
     "StableDiffusion3Pipeline": "sd3", "StableDiffusion3Img2ImgPipeline": "sd3", "StableDiffusion3InpaintPipeline": "sd3",
     "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
+    "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
 }
 
 

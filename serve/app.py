@@ -6,37 +6,57 @@ thread, so /health answers while models load) and `engine.shutdown()`.
 
 from __future__ import annotations
 
+import tempfile
 import time
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 
 from serve import routes_chat, routes_embeddings, routes_images, routes_speech, routes_system
-from serve import routes_transcriptions
+from serve import routes_batches, routes_transcriptions, routes_videos
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
+from serve.job_runner import JobPolicy, JobRunner
+from serve.jobs import JobStore
 from serve.metrics import RequestCounter
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits
 
 
 def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: ImageStore | None = None,
-               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
-    """The HTTP app. `api_keys` maps key -> tenant; None or empty: no auth, every caller is tenant "default"."""
+               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, data_dir: str | Path | None = None,
+               job_policy: JobPolicy | None = None) -> FastAPI:
+    """The HTTP app. `api_keys` maps key -> tenant; None or empty: no auth, every caller is tenant "default".
+    `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists)."""
     if max_upload_bytes < 1:
         raise ValueError(f"max_upload_bytes must be >= 1, got {max_upload_bytes}")
-    app = FastAPI(title="mmserve", version="0.1.0",
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await app.state.job_runner.start()  # resumes stored jobs once the engine is ready
+        try:
+            yield
+        finally:
+            await app.state.job_runner.stop()
+
+    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan,
                   description="Multimodal and diffusion pipeline server with OpenAI-compatible endpoints.")
     app.state.engine = engine
     app.state.api_keys = dict(api_keys or {})
     app.state.image_store = image_store or ImageStore()
     app.state.max_upload_bytes = max_upload_bytes
     app.state.created = int(time.time())  # the `created` of every model object
+    app.state.job_store = JobStore(data_dir if data_dir is not None else tempfile.mkdtemp(prefix="mmserve-jobs-"))
+    app.state.job_runner = JobRunner(app.state.job_store, engine, app, job_policy or JobPolicy())
     app.include_router(routes_chat.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_images.router)
     app.include_router(routes_speech.router)
     app.include_router(routes_transcriptions.router)
     app.include_router(routes_system.router)
+    app.include_router(routes_videos.router)
+    app.include_router(routes_batches.router)
     install_error_handlers(app)
     app.add_middleware(RequestCounter, counter=engine.metrics.requests)
     return app

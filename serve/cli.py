@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                         "the family is detected from model_index.json / config.json")
     s.add_argument("--api-keys", type=Path, metavar="FILE", help=API_KEYS_HELP)
     s.add_argument("--demo-dir", type=Path, help=f"where demo checkpoints are built (default {DEFAULT_DEMO_DIR})")
+    s.add_argument("--data-dir", type=Path, help="the job store: videos, files, batches (default: [server] "
+                                                 "data_dir, else ~/.local/share/mmserve)")
     s.set_defaults(run=_serve)
 
     d = sub.add_parser("demo-models", help="build the demo checkpoints (tiny, random weights, offline)")
@@ -91,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     gi.add_argument("-n", type=int, default=1, help="number of images (files get -1, -2, ... suffixes)")
     gi.add_argument("--demo-dir", type=Path, default=DEFAULT_DEMO_DIR)
     gi.set_defaults(run=_generate_image)
+
+    from serve.batch_cli import add_batch_parser
+
+    add_batch_parser(sub)
     return p
 
 
@@ -118,7 +124,8 @@ def _serve(args) -> int:
     from serve.app import create_app
 
     engine = Engine(config)
-    app = create_app(engine, api_keys=api_keys)
+    app = create_app(engine, api_keys=api_keys, data_dir=args.data_dir or server_cfg.data_dir,
+                     job_policy=loaded.jobs)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, ws="auto", log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     failed = threading.Event()

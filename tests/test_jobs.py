@@ -1,0 +1,271 @@
+"""The job store (serve/jobs.py) and the job runner, with a fake video engine: atomic writes, no duplicate
+batch lines, recovery on restart, the /v1/videos lifecycle and the `mmserve batch run` resume logic."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.testclient import TestClient
+
+from serve.jobs import JobStore, write_atomic
+from stages.events import EventKind
+from stages.metrics import Metrics
+from stages.request import RequestHandle, RequestState
+
+# -- store --------------------------------------------------------------------------------------
+
+
+def test_write_atomic_never_leaves_a_partial_file(tmp_path, monkeypatch):
+    target = tmp_path / "r" / "out.bin"
+    write_atomic(target, b"first")
+
+    def crash(*_a, **_k):
+        raise OSError("power cut")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        write_atomic(target, b"second, longer")
+    assert target.read_bytes() == b"first"  # the old complete result, never a torn new one
+
+
+def test_store_survives_reopen_and_keeps_first_line_result(tmp_path):
+    store = JobStore(tmp_path)
+    job, created = store.create_job("batch", "alice", {"x": 1}, prefix="batch", idempotency_key="k1")
+    again, created_again = store.create_job("batch", "alice", {"x": 2}, prefix="batch", idempotency_key="k1")
+    other, _ = store.create_job("batch", "bob", {"x": 3}, prefix="batch", idempotency_key="k1")
+    assert created and not created_again and again.id == job.id and other.id != job.id
+    store.put_line(job.id, 0, "a", True, {"custom_id": "a", "n": 1})
+    store.put_line(job.id, 0, "a", True, {"custom_id": "a", "n": 2})  # a rerun line: the first result stays
+    store.put_line(job.id, 1, "b", False, {"custom_id": "b"})
+    f = store.add_file("alice", "batch", "in.jsonl", b"{}\n")
+    store.close()
+
+    store = JobStore(tmp_path)  # a restart: everything committed is still there
+    assert store.get_job(job.id).request == {"x": 1}
+    assert store.get_job(job.id, tenant="bob") is None
+    assert store.done_lines(job.id) == {0, 1}
+    assert store.lines(job.id, True) == [{"custom_id": "a", "n": 1}]
+    assert store.line_counts(job.id) == (1, 1)
+    assert store.get_file(f.id).path.read_bytes() == b"{}\n"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_expiry_drops_results(tmp_path):
+    store = JobStore(tmp_path)
+    job, _ = store.create_job("video", "t", {}, prefix="video")
+    write_atomic(store.results_dir / f"{job.id}.mp4", b"mp4")
+    store.finish_job(job.id, "completed", result={}, ttl_s=10)
+    assert store.expire(now=int(time.time()) + 5) == 0
+    assert store.expire(now=int(time.time()) + 60) == 1
+    assert store.get_job(job.id).status == "expired"
+    assert not (store.results_dir / f"{job.id}.mp4").exists()
+
+
+# -- a fake video engine ------------------------------------------------------------------------
+
+
+@dataclass
+class FakeVideoRequest:
+    prompt: str
+    negative_prompt: str | None = None
+    width: int | None = None
+    height: int | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    image: object = None
+    tenant: str = "default"
+
+
+class _Executor:
+    def __init__(self):
+        self.states: dict[str, RequestState] = {}
+
+    def cancel(self, request_id: str) -> None:
+        self.states[request_id].request_cancel()
+
+
+@dataclass
+class _Info:
+    tasks: tuple[str, ...]
+
+
+class FakeEngine:
+    """submit_video emits one PROGRESS per step (step_s apart) and then frames; a cancel stops it within a step."""
+
+    def __init__(self, step_s: float = 0.02):
+        self.ready = True
+        self.models = {"wan-fake": _Info(("text-to-video", "image-to-video"))}
+        self.metrics = Metrics()
+        self.step_s = step_s
+        self.executor = _Executor()
+        self.submitted: list[FakeVideoRequest] = []
+
+    def submit_video(self, model: str, request: FakeVideoRequest) -> RequestHandle:
+        self.submitted.append(request)
+        state = RequestState(f"vid-{len(self.submitted)}", deadline=None, model=model)
+        self.executor.states[state.request_id] = state
+        steps = request.num_inference_steps or 4
+
+        def work():
+            for step in range(steps):
+                if state.cancelled:
+                    state.emit(EventKind.ERROR, code="cancelled", message="cancelled", param=None, status=499)
+                    return
+                time.sleep(self.step_s)
+                state.emit(EventKind.PROGRESS, step=step + 1, total=steps)
+            frames = np.zeros((request.num_frames or 5, request.height or 16, request.width or 16, 3), np.uint8)
+            state.emit(EventKind.FINAL, outputs={"frames": frames, "fps": request.fps or 8, "seed": 7})
+
+        threading.Thread(target=work, daemon=True).start()
+        return RequestHandle(state, self.executor)
+
+    def media(self):
+        return types.SimpleNamespace(run=lambda name, frames, fps, fmt: b"MP4" + bytes(len(frames)))
+
+    def encode_images(self, images, fmt, quality=None):
+        out = []
+        for image in images:
+            buf = io.BytesIO()
+            image.save(buf, format="JPEG")
+            out.append(buf.getvalue())
+        return out
+
+    def decode_image(self, data: bytes, *, param: str, mode: str = "RGB"):
+        from PIL import Image
+
+        return Image.open(io.BytesIO(data)).convert(mode)
+
+
+@pytest.fixture
+def fake_video_module(monkeypatch):
+    """The runner builds its request with pipelines.video.VideoRequest: the fake engine takes the fake one."""
+    import serve.app  # noqa: F401  (imports pipelines.video, when it exists, before it is patched)
+
+    module = sys.modules.get("pipelines.video")
+    if module is None:
+        monkeypatch.setitem(sys.modules, "pipelines.video", types.SimpleNamespace(VideoRequest=FakeVideoRequest))
+    else:
+        monkeypatch.setattr(module, "VideoRequest", FakeVideoRequest)
+
+
+def _app(engine, data_dir: Path, **policy):
+    from serve.app import create_app
+    from serve.job_runner import JobPolicy
+
+    return create_app(engine, data_dir=data_dir, job_policy=JobPolicy(ready_poll_s=0.01, **policy))
+
+
+def _wait(client, video_id: str, statuses=("completed", "failed", "cancelled"), timeout_s: float = 10):
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/videos/{video_id}").json()
+        seen.append(job["progress"])
+        if job["status"] in statuses:
+            return job, seen
+        time.sleep(0.01)
+    raise AssertionError(f"video {video_id} stuck: {job}")
+
+
+def test_video_lifecycle_with_fake_engine(tmp_path, fake_video_module):
+    engine = FakeEngine()
+    with TestClient(_app(engine, tmp_path)) as client:
+        r = client.post("/v1/videos", json={"prompt": "a cat", "size": "32x16", "num_frames": 9, "fps": 8,
+                                            "num_inference_steps": 10}, headers={"Idempotency-Key": "abc"})
+        assert r.status_code == 200, r.text
+        job = r.json()
+        assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["seconds"] == "1"
+        again = client.post("/v1/videos", json={"prompt": "a cat"}, headers={"Idempotency-Key": "abc"}).json()
+        assert again["id"] == job["id"]
+        done, seen = _wait(client, job["id"])
+        assert done["status"] == "completed" and done["progress"] == 100
+        assert seen == sorted(seen)  # monotonic
+        assert len(engine.submitted) == 1 and engine.submitted[0].width == 32
+        content = client.get(f"/v1/videos/{job['id']}/content")
+        assert content.headers["content-type"] == "video/mp4" and content.content.startswith(b"MP4")
+        thumb = client.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
+        assert thumb.headers["content-type"] == "image/jpeg"
+        listing = client.get("/v1/videos", params={"limit": 1}).json()
+        assert listing["data"][0]["id"] == job["id"]
+        assert client.get("/v1/videos/video_nope").status_code == 404
+        deleted = client.delete(f"/v1/videos/{job['id']}").json()
+        assert deleted["deleted"] is True and client.get(f"/v1/videos/{job['id']}").status_code == 404
+
+
+def test_video_cancel_and_tenant_limit(tmp_path, fake_video_module):
+    engine = FakeEngine(step_s=0.05)
+    with TestClient(_app(engine, tmp_path, max_jobs_per_tenant=1)) as client:
+        job = client.post("/v1/videos", json={"prompt": "slow", "num_inference_steps": 200}).json()
+        busy = client.post("/v1/videos", json={"prompt": "second"})
+        assert busy.status_code == 429 and busy.headers["retry-after"]
+        _wait(client, job["id"], statuses=("in_progress",))
+        started = time.monotonic()
+        cancelled = client.delete(f"/v1/videos/{job['id']}").json()
+        assert cancelled["status"] == "cancelled"
+        assert time.monotonic() - started < 1.0  # within a step or so
+        assert client.get(f"/v1/videos/{job['id']}/content").status_code == 409
+
+
+def test_in_progress_video_restarts_after_a_crash(tmp_path, fake_video_module):
+    store = JobStore(tmp_path)
+    job, _ = store.create_job("video", "default", {"model": "wan-fake", "prompt": "p", "num_inference_steps": 3,
+                                                   "size": None, "seconds": None}, prefix="video")
+    store.update_job(job.id, status="in_progress", progress=40)  # the server died here
+    store.close()
+    engine = FakeEngine()
+    with TestClient(_app(engine, tmp_path)) as client:
+        done, _ = _wait(client, job.id)
+    assert done["status"] == "completed" and len(engine.submitted) == 1
+
+
+# -- mmserve batch run: resume ------------------------------------------------------------------
+
+
+def test_batch_run_resumes_and_drops_a_torn_line(tmp_path):
+    from serve.batch_cli import run_file
+
+    calls = []
+    app = FastAPI()
+
+    @app.post("/v1/embeddings")
+    async def embed(request: Request):
+        body = await request.json()
+        calls.append(body["input"])
+        if body["input"] == "bad":
+            return JSONResponse({"error": {"message": "no"}}, status_code=400)
+        return {"object": "list", "data": [{"embedding": [1.0]}]}
+
+    src = tmp_path / "in.jsonl"
+    lines = [{"custom_id": f"c{i}", "url": "/v1/embeddings", "body": {"input": f"x{i}"}} for i in range(5)]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n"
+                   + json.dumps({"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "bad"}}) + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"custom_id": "c0", "response": {"status_code": 200}}) + "\n{\"custom_id\": \"c1\"")
+
+    def client():
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+    assert asyncio.run(run_file(client(), src, out, "/v1/embeddings", 2)) == 1  # the bad lines fail
+    assert sorted(calls) == ["bad", "x1", "x2", "x3", "x4"]  # c0 was done; the torn c1 line runs again
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in records) == ["#line6", "c0", "c1", "c2", "c3", "c4", "e"]
+    calls.clear()
+    asyncio.run(run_file(client(), src, out, "/v1/embeddings", 2))  # a rerun finds everything done
+    assert calls == []

@@ -1,0 +1,304 @@
+"""/v1/files, /v1/batches and /v1/videos through a real server process with its job store in a tmp data dir.
+
+The official openai client drives files and batches over chat, embeddings and images lines on the tiny demo
+models; a batch with bad lines reports them per line; SIGKILL mid-batch (and mid-video, when the video
+pipelines exist) and a restart on the same data dir finish every job with exactly one output line per input line.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+try:
+    from tests.test_serve_support import Server, wait_for
+except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+    from test_serve_support import Server, wait_for
+
+VIDEO = {"model": "wan-demo", "prompt": "a boat", "size": "32x32", "num_frames": 5, "num_inference_steps": 4}
+CHAT = {"model": "llama-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+
+def _has_video() -> bool:
+    from pipelines.engine import Engine
+
+    return hasattr(Engine, "submit_video")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from pipelines.demo import build_demo_model
+
+    root = tmp_path_factory.mktemp("batch-models")
+    built = {name: build_demo_model(name, root / name) for name in ("llama", "clip", "sd", "vits")}
+    if _has_video():
+        built["wan"] = build_demo_model("wan", root / "wan")
+    return built
+
+
+def _config(models, data_dir, names=("llama", "clip", "sd", "vits", "wan")) -> str:
+    families = {"llama": ("llama-demo", "causal-lm"), "clip": ("clip-demo", "clip-embedding"),
+                "sd": ("sd-demo", "sd"), "vits": ("vits-demo", "vits"), "wan": ("wan-demo", "wan")}
+    text = f'[server]\ndata_dir = "{data_dir}"\n[jobs]\nbatch_line_concurrency = 2\n'
+    for key in names:
+        if key in models:
+            name, family = families[key]
+            text += f'[[models]]\nname = "{name}"\npath = "{models[key]}"\nfamily = "{family}"\n'
+            if key == "llama":
+                text += "[models.llm]\nkv_cache_mb = 8\nblock_size = 4\n"
+    return text
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("serve-batches")
+    srv = Server(workdir, _config(models, workdir / "data"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="not-needed", max_retries=0)
+
+
+def _jsonl(lines) -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+
+
+def _wait_batch(client, batch_id: str, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled"):
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} did not finish: {batch}")
+
+
+def _records(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.mark.parametrize("endpoint,body", [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/embeddings", {"model": "clip-demo", "input": "a red square"}),
+    ("/v1/images/generations", {"model": "sd-demo", "prompt": "a cat", "size": "64x64", "num_inference_steps": 2,
+                                "response_format": "b64_json"}),
+    ("/v1/audio/speech", {"model": "vits-demo", "input": "hello there", "response_format": "wav"}),
+])
+def test_openai_client_files_and_batches(client, endpoint, body):
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": endpoint, "body": body} for i in range(3)]
+    f = client.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    assert f.purpose == "batch" and f.bytes > 0
+    assert client.files.retrieve(f.id).filename == "in.jsonl"
+    batch = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+    assert batch.input_file_id == f.id
+    batch = _wait_batch(client, batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == 3 and batch.request_counts.completed == 3 and batch.request_counts.failed == 0
+    records = _records(client, batch.output_file_id)
+    assert [r["custom_id"] for r in records] == ["req-0", "req-1", "req-2"]
+    for r in records:
+        assert r["response"]["status_code"] == 200 and r["error"] is None
+        if endpoint == "/v1/audio/speech":  # binary bodies come back as base64
+            assert r["response"]["body"]["content_type"] == "audio/wav"
+            assert base64.b64decode(r["response"]["body"]["b64"])[:4] == b"RIFF"
+    assert batch.error_file_id is None
+    assert any(b.id == batch.id for b in client.batches.list())
+
+
+def test_batch_with_bad_lines(client):
+    lines = [{"custom_id": "good-1", "url": "/v1/chat/completions", "body": CHAT},
+             "this is not json",
+             {"url": "/v1/chat/completions", "body": CHAT},  # no custom_id
+             {"custom_id": "wrong-url", "url": "/v1/embeddings", "body": {"input": "x"}},
+             {"custom_id": "bad-field", "url": "/v1/chat/completions", "body": {**CHAT, "max_tokens": -1}},
+             {"custom_id": "good-2", "url": "/v1/chat/completions", "body": CHAT}]
+    f = client.files.create(file=("bad.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = _wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                      completion_window="24h").id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (6, 2, 4)
+    assert [r["custom_id"] for r in _records(client, batch.output_file_id)] == ["good-1", "good-2"]
+    errors = _records(client, batch.error_file_id)
+    assert [r["custom_id"] for r in errors] == [None, None, "wrong-url", "bad-field"]
+    assert errors[0]["error"]["code"] == "invalid_json" and errors[2]["error"]["code"] == "mismatched_url"
+    assert errors[3]["response"]["status_code"] == 400
+
+
+def test_unknown_ids_and_bad_requests(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")
+    r = httpx.post(f"{server.url}/v1/batches", json={"input_file_id": "x", "endpoint": "/v1/models",
+                                                     "completion_window": "24h"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "endpoint"
+
+
+def test_batch_cancel(client):
+    lines = [{"custom_id": f"c{i}", "url": "/v1/chat/completions", "body": {**CHAT, "max_tokens": 16}}
+             for i in range(40)]
+    f = client.files.create(file=("c.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    batch = _wait_batch(client, batch.id)
+    assert batch.status == "cancelled" and batch.request_counts.completed < 40
+
+
+# -- crash safety ------------------------------------------------------------------------------------
+
+
+def test_sigkill_mid_batch_then_restart_completes_every_line_once(models, tmp_path):
+    names = ("llama", "wan")
+    data = tmp_path / "data"
+    lines = [{"custom_id": f"line-{i}", "url": "/v1/chat/completions", "body": {**CHAT, "max_tokens": 12}}
+             for i in range(50)]
+    srv = Server(tmp_path, _config(models, data, names))
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        f = c.files.create(file=("crash.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+        batch = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        video = None
+        if "wan" in models:
+            video = httpx.post(f"{srv.url}/v1/videos", json={**VIDEO, "num_inference_steps": 100}, timeout=30).json()
+        assert wait_for(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 5, timeout_s=30)
+        assert c.batches.retrieve(batch.id).status == "in_progress"
+        if video is not None:  # killed mid-run: the restart runs it again from the beginning
+            assert httpx.get(f"{srv.url}/v1/videos/{video['id']}").json()["status"] in ("queued", "in_progress")
+    finally:
+        srv.proc.kill()  # SIGKILL: no shutdown code runs
+        srv.proc.wait(10)
+        srv._log.close()
+    srv = Server(tmp_path, _config(models, data, names))
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        done = _wait_batch(c, batch.id, timeout_s=60)
+        assert done.status == "completed" and done.request_counts.completed == 50
+        ids = [r["custom_id"] for r in _records(c, done.output_file_id)]
+        assert sorted(ids) == sorted(x["custom_id"] for x in lines) and len(ids) == 50  # once each, none lost
+        assert done.error_file_id is None
+        if video is not None:
+            status = lambda: httpx.get(f"{srv.url}/v1/videos/{video['id']}").json()  # noqa: E731
+            assert wait_for(lambda: status()["status"] == "completed", timeout_s=60), status()
+    finally:
+        srv.stop()
+
+
+# -- videos ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not _has_video(), reason="the video pipelines (Engine.submit_video) are not built yet")
+def test_video_job_lifecycle(server):
+    import av
+
+    url = server.url
+    body = VIDEO
+    job = httpx.post(f"{url}/v1/videos", json=body, headers={"Idempotency-Key": "boat-1"}, timeout=30).json()
+    assert job["object"] == "video" and job["status"] in ("queued", "in_progress"), job
+    retry = httpx.post(f"{url}/v1/videos", json=body, headers={"Idempotency-Key": "boat-1"}, timeout=30).json()
+    assert retry["id"] == job["id"]
+    seen = []
+
+    def finished():
+        j = httpx.get(f"{url}/v1/videos/{job['id']}").json()
+        seen.append(j["progress"])
+        return j["status"] in ("completed", "failed")
+
+    assert wait_for(finished, timeout_s=60)
+    assert seen == sorted(seen) and seen[-1] == 100
+    mp4 = httpx.get(f"{url}/v1/videos/{job['id']}/content")
+    assert mp4.status_code == 200 and mp4.headers["content-type"] == "video/mp4"
+    with av.open(io.BytesIO(mp4.content)) as container:
+        frames = list(container.decode(video=0))
+    assert len(frames) == 5 and (frames[0].width, frames[0].height) == (32, 32)
+    thumb = httpx.get(f"{url}/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
+    assert thumb.headers["content-type"] == "image/jpeg"
+
+    slow = httpx.post(f"{url}/v1/videos", json={**body, "num_inference_steps": 200}, timeout=30).json()
+    assert wait_for(lambda: httpx.get(f"{url}/v1/videos/{slow['id']}").json()["status"] == "in_progress")
+    cancelled = httpx.delete(f"{url}/v1/videos/{slow['id']}", timeout=30).json()
+    assert cancelled["status"] == "cancelled"
+    listing = httpx.get(f"{url}/v1/videos", params={"limit": 1}).json()
+    assert listing["has_more"] and len(listing["data"]) == 1
+
+
+@pytest.mark.skipif(not _has_video(), reason="the video pipelines (Engine.submit_video) are not built yet")
+def test_video_bad_input_is_refused_up_front(server):
+    try:
+        from tests.test_serve_support import png_bytes
+    except ImportError:
+        from test_serve_support import png_bytes
+
+    bad_size = httpx.post(f"{server.url}/v1/videos", json={**VIDEO, "size": "30x30"}, timeout=30)
+    assert bad_size.status_code == 400 and bad_size.json()["error"]["param"] == "size", bad_size.text
+    bad_frames = httpx.post(f"{server.url}/v1/videos", json={**VIDEO, "num_frames": 6}, timeout=30)
+    assert bad_frames.status_code == 400 and bad_frames.json()["error"]["param"] == "num_frames", bad_frames.text
+    form = {k: str(v) for k, v in VIDEO.items()}
+    multipart = httpx.post(f"{server.url}/v1/videos", data=form, timeout=30,
+                           files={"input_reference": ("ref.png", png_bytes(32, 32), "image/png")})
+    assert multipart.status_code == 400 and multipart.json()["error"]["param"] == "image", multipart.text  # t2v model
+    corrupt = httpx.post(f"{server.url}/v1/videos", data=form, timeout=30,
+                         files={"input_reference": ("ref.png", b"not an image", "image/png")})
+    assert corrupt.status_code == 400 and corrupt.json()["error"]["param"] == "input_reference", corrupt.text
+
+
+# -- mmserve batch run --------------------------------------------------------------------------------
+
+
+def test_batch_run_cli_against_the_server_resumes(server, tmp_path):
+    import subprocess
+    import sys
+
+    try:
+        from tests.test_serve_support import ENV, REPO
+    except ImportError:
+        from test_serve_support import ENV, REPO
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(_jsonl([{"custom_id": f"k{i}", "body": CHAT} for i in range(4)]))
+    out.write_text(json.dumps({"custom_id": "k0", "response": {"status_code": 200}, "error": None}) + "\n")
+    cmd = [sys.executable, "-m", "serve.cli", "batch", "run", str(src), "-o", str(out),
+           "--endpoint", "/v1/chat/completions", "--server", server.url]
+    run = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "4/4 lines" in run.stderr and "ETA" in run.stderr
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in records) == ["k0", "k1", "k2", "k3"]  # k0 was already done
+    rerun = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert rerun.returncode == 0 and "0 line(s) run" in rerun.stderr
+    assert len(out.read_text().splitlines()) == 4
+
+
+def test_batch_run_cli_in_process(models, tmp_path):
+    import subprocess
+    import sys
+
+    try:
+        from tests.test_serve_support import ENV, REPO
+    except ImportError:
+        from test_serve_support import ENV, REPO
+
+    config = tmp_path / "m.toml"
+    config.write_text(_config(models, tmp_path / "unused", ("llama",)))
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(_jsonl([{"custom_id": "a", "url": "/v1/chat/completions", "body": CHAT}, "{broken"]))
+    run = subprocess.run([sys.executable, "-m", "serve.cli", "--log-level", "warning", "batch", "run", str(src),
+                          "-o", str(out), "--config", str(config)], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1, run.stderr  # one line failed
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["a"]["response"]["status_code"] == 200
+    assert records["#line2"]["error"]["code"] == "invalid_json"
