@@ -10,11 +10,22 @@ Output line: {"id", "custom_id", "response": {"status_code", "request_id", "body
 A line that fails before it reaches an endpoint (not JSON, no custom_id, wrong url) has
 "response": null and "error": {"code", "message"}. Binary bodies (speech audio) are sent as
 {"content_type", "b64"}.
+
+Audio endpoints (/v1/audio/transcriptions, /v1/audio/translations) take multipart uploads, which an
+OpenAI batch line cannot carry. As an extension, such a line's body is the form's fields as JSON
+with the audio as a base64 `data:` URI in `file` (optionally `filename`):
+    {"custom_id": "a1", "url": "/v1/audio/transcriptions",
+     "body": {"model": "whisper-demo", "file": "data:audio/wav;base64,UklGR...", "response_format": "json"}}
+The runner posts it as the multipart request the endpoint expects (`file` a file part, list fields
+such as timestamp_granularities as `name[]`, booleans as true/false), so the output line's body is the
+endpoint's own reply (the transcription JSON, or {"content_type", "b64"} for text/srt/vtt). Only
+`data:` URIs are taken (no URLs: a batch line never makes the server fetch anything).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import uuid
 from dataclasses import dataclass
@@ -23,7 +34,8 @@ from typing import Any
 import httpx
 
 BATCH_ENDPOINTS = ("/v1/images/generations", "/v1/chat/completions", "/v1/embeddings", "/v1/audio/speech",
-                   "/v1/completions")
+                   "/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations")
+MULTIPART_ENDPOINTS = ("/v1/audio/transcriptions", "/v1/audio/translations")  # `file` a data: URI (see above)
 
 
 @dataclass(frozen=True)
@@ -31,7 +43,8 @@ class BatchLine:
     index: int  # 0-based line number in the input file
     custom_id: str  # the caller's id, echoed on the output line
     url: str  # one of BATCH_ENDPOINTS
-    body: dict[str, Any]  # the endpoint's JSON body
+    body: dict[str, Any]  # the endpoint's JSON body (multipart endpoints: the form fields, less `file`)
+    upload: tuple[str, bytes, str] | None = None  # multipart endpoints: (filename, data, content type) of `file`
 
 
 class LineError(ValueError):
@@ -72,7 +85,50 @@ def parse_line(text: str, index: int, endpoint: str | None) -> BatchLine:
     body = item.get("body")
     if not isinstance(body, dict):
         raise LineError("invalid_body", f"line {index + 1}: body must be a JSON object", custom_id)
+    if url in MULTIPART_ENDPOINTS:
+        body, upload = _split_upload(body, index, custom_id)
+        return BatchLine(index, custom_id, url, body, upload)
     return BatchLine(index, custom_id, url, body)
+
+
+def _split_upload(body: dict[str, Any], index: int, custom_id: str) -> tuple[dict[str, Any], tuple[str, bytes, str]]:
+    """The form fields and the decoded `file` (a base64 data: URI) of an audio line. Raises LineError."""
+    fields = dict(body)
+    uri = fields.pop("file", None)
+    filename = fields.pop("filename", None) or "audio"
+    where = f"line {index + 1}"
+    if not isinstance(uri, str) or not uri.startswith("data:") or "," not in uri:
+        raise LineError("invalid_file", f"{where}: body.file must be the audio as a data: URI "
+                                        f"(data:audio/wav;base64,...); batch lines cannot upload files", custom_id)
+    header, payload = uri[5:].split(",", 1)
+    parts = header.split(";")
+    if "base64" not in parts[1:]:
+        raise LineError("invalid_file", f"{where}: body.file must be a base64 data: URI", custom_id)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise LineError("invalid_file", f"{where}: body.file is not valid base64", custom_id) from None
+    if not data:
+        raise LineError("invalid_file", f"{where}: body.file is empty", custom_id)
+    if not isinstance(filename, str):
+        raise LineError("invalid_body", f"{where}: body.filename must be a string", custom_id)
+    return fields, (filename, data, parts[0] or "application/octet-stream")
+
+
+def _form_fields(body: dict[str, Any]) -> dict[str, list[str]]:
+    """JSON values as multipart text fields: lists as repeated `name[]`, booleans true/false, objects as JSON."""
+    out: dict[str, list[str]] = {}
+    for key, value in body.items():
+        values, name = (value, f"{key}[]") if isinstance(value, list) else ([value], key)
+        for v in values:
+            if v is None:
+                continue
+            if isinstance(v, bool):
+                v = "true" if v else "false"
+            elif isinstance(v, (dict, list)):
+                v = json.dumps(v)
+            out.setdefault(name, []).append(str(v))
+    return out
 
 
 def error_record(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
@@ -84,7 +140,11 @@ async def run_line(client: httpx.AsyncClient, line: BatchLine, headers: dict[str
                    ) -> tuple[bool, dict[str, Any]]:
     """POST the line's body to its endpoint. Returns (succeeded, output record)."""
     try:
-        reply = await client.post(line.url, json=line.body, headers=headers)
+        if line.upload is not None:  # the multipart request the endpoint expects
+            reply = await client.post(line.url, data=_form_fields(line.body), files={"file": line.upload},
+                                      headers=headers)
+        else:
+            reply = await client.post(line.url, json=line.body, headers=headers)
     except httpx.HTTPError as e:
         return False, error_record(line.custom_id, "request_failed", f"{type(e).__name__}: {e}")
     ctype = reply.headers.get("content-type", "")

@@ -42,7 +42,22 @@ class VideoBody(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0)
     seed: int | None = None
-    input_reference: str | None = None  # JSON only: a data: URI or URL of the image (multipart: a file part)
+    # JSON only: a data: URI or URL of the image, or {"image_url": "<data: URI or URL>"} (also {"image_url":
+    # {"url": ...}}) as the chat/Responses APIs spell an image; multipart sends it as a file part instead
+    input_reference: str | dict[str, Any] | None = None
+
+    def reference_source(self) -> str | None:
+        """The input_reference as one data: URI or URL string (None: none given). Raises RequestError."""
+        ref = self.input_reference
+        if ref is None or isinstance(ref, str):
+            return ref or None
+        url = ref.get("image_url")
+        if isinstance(url, dict):
+            url = url.get("url")
+        if not isinstance(url, str) or not url or set(ref) - {"image_url"}:
+            raise RequestError("input_reference", 'input_reference must be a data: URI or URL string, or '
+                                                  '{"image_url": "<data: URI or URL>"}')
+        return url
 
     def video_fields(self, model: str, *, default_fps: float, frame_factor: int) -> dict[str, Any]:
         """The stored request: VideoRequest's fields plus model, size and seconds for the job object.
@@ -209,6 +224,7 @@ async def _read(request: Request) -> tuple[VideoBody, bytes | None]:
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     body = VideoBody.model_validate(data)
     image = None
-    if body.input_reference:
-        image = await request.app.state.engine.load_source(body.input_reference, param="input_reference")
+    source = body.reference_source()
+    if source:  # the engine's safe fetch (data: URIs, allowed URLs; size and redirect limits), as serve/uploads.py
+        image = await request.app.state.engine.load_source(source, param="input_reference")
     return body, image

@@ -97,3 +97,16 @@ def test_llm_benchmark_script_prints_ratios(tmp_path):
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert len(re.findall(r"ratio \d+\.\d+x", run.stdout)) == 3, run.stdout
+
+
+def test_video_benchmark_script_prints_ratios(tmp_path):
+    from pipelines.demo import build_demo_model
+
+    checkpoint = str(build_demo_model("wan", tmp_path / "wan"))
+    run = subprocess.run([sys.executable, "examples/bench_video.py", "--checkpoint", checkpoint, "--size", "32",
+                          "--frames", "5", "--steps", "2", "--requests", "2", "--vae-size", "64", "--vae-frames", "5"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
+    assert re.search(r"vae decode .* ratio \d+\.\d+x", run.stdout), run.stdout
+    assert "denoise batch sizes reached: <=" in run.stdout

@@ -73,10 +73,11 @@ def test_image_to_video_equals_diffusers(engine, reference, guidance):
 
 def test_concurrent_requests_share_forwards_and_equal_solo(engine, ltx_path):
     """Different seeds, step counts and guidance, and an image-to-video request beside them."""
-    specs = [dict(seed=1, num_inference_steps=6, guidance_scale=3.0),
-             dict(seed=2, num_inference_steps=4, guidance_scale=1.0),
-             dict(seed=3, num_inference_steps=5, guidance_scale=4.0, negative_prompt="dull"),
-             dict(seed=4, num_inference_steps=5, guidance_scale=2.0, image=noise_image(SIZE))]
+    # Enough steps that the loops overlap even on a loaded machine.
+    specs = [dict(seed=1, num_inference_steps=12, guidance_scale=3.0),
+             dict(seed=2, num_inference_steps=9, guidance_scale=1.0),
+             dict(seed=3, num_inference_steps=10, guidance_scale=4.0, negative_prompt="dull"),
+             dict(seed=4, num_inference_steps=10, guidance_scale=2.0, image=noise_image(SIZE))]
     common = dict(width=SIZE, height=SIZE, num_frames=FRAMES)
     solo = [_run(engine, prompt=f"prompt {i}", **common, **s)["pixels"] for i, s in enumerate(specs)]
     with running_engine(ltx_path, max_batch_size=4) as batching:

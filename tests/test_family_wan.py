@@ -91,9 +91,10 @@ def test_image_to_video_equals_diffusers(i2v_engine, paths):
 
 
 def test_concurrent_requests_share_forwards_and_equal_solo(engine, paths):
-    specs = [dict(seed=1, num_inference_steps=6, guidance_scale=5.0),
-             dict(seed=2, num_inference_steps=4, guidance_scale=1.0),
-             dict(seed=3, num_inference_steps=5, guidance_scale=3.0, negative_prompt="dull")]
+    # Enough steps that the three loops overlap even on a loaded machine.
+    specs = [dict(seed=1, num_inference_steps=12, guidance_scale=5.0),
+             dict(seed=2, num_inference_steps=9, guidance_scale=1.0),
+             dict(seed=3, num_inference_steps=10, guidance_scale=3.0, negative_prompt="dull")]
     common = dict(width=SIZE, height=SIZE, num_frames=FRAMES)
     solo = [_run(engine, prompt=f"prompt {i}", **common, **s)["pixels"] for i, s in enumerate(specs)]
     with running_engine(paths["t2v"], max_batch_size=4) as batching:

@@ -1,0 +1,167 @@
+"""Benchmark: mmserve's video path vs diffusers' WanPipeline, side by side in one run, on one Wan checkpoint.
+
+    python examples/bench_video.py [--checkpoint DIR] [--size 64] [--frames 17] [--steps 8] [--requests 4]
+
+1. Throughput: --requests text-to-video jobs created at once on a real mmserve server on loopback
+   (POST /v1/videos, then GET /v1/videos/{id} polled until completed) vs `WanPipeline.__call__`
+   called that many times in sequence (same checkpoint, seeds and parameters). Prints the denoise
+   batch sizes reached (from /metrics).
+2. Peak memory of the temporal VAE decode: the checkpoint's `vae.decode` on random latents of
+   --vae-size x --vae-size px and --vae-frames frames, with `vae.enable_tiling()` vs without; each
+   variant runs in its own subprocess and reports its peak RSS growth (VmHWM minus VmRSS before).
+
+Without --checkpoint it builds the demo Wan model (random weights) under ~/.cache/mmserve/bench/.
+Ratios, not absolute times, are the result: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: pipelines/, serve/
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench_images import _batch_sizes, _free_port, _wait_ready  # noqa: E402
+
+
+async def _jobs(base: str, model: str, args, n: int, prefix: str = "prompt") -> float:
+    import httpx
+
+    body = lambda i: {"model": model, "prompt": f"{prefix} {i}", "size": f"{args.size}x{args.size}",  # noqa: E731
+                      "num_frames": args.frames, "num_inference_steps": args.steps, "seed": i}
+    async with httpx.AsyncClient(timeout=600) as client:
+        t = time.perf_counter()
+        created = await asyncio.gather(*(client.post(f"{base}/v1/videos", json=body(i)) for i in range(n)))
+        bad = [(r.status_code, r.text) for r in created if r.status_code != 200]
+        if bad:
+            raise RuntimeError(f"server answered {bad}")
+        pending = {r.json()["id"] for r in created}
+        while pending:
+            for vid in list(pending):
+                job = (await client.get(f"{base}/v1/videos/{vid}")).json()
+                if job["status"] == "completed":
+                    pending.discard(vid)
+                elif job["status"] in ("failed", "cancelled", "expired"):
+                    raise RuntimeError(f"video {vid} {job['status']}: {job.get('error')}")
+            if pending:
+                await asyncio.sleep(0.02)
+        return time.perf_counter() - t
+
+
+def throughput(checkpoint: str, args) -> tuple[float, float, str]:
+    import httpx
+    import torch
+    from diffusers import WanPipeline
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    tmp = Path(tempfile.mkdtemp())
+    config = tmp / "bench.toml"
+    config.write_text(f'[server]\ndata_dir = "{tmp / "data"}"\n'
+                      f'[jobs]\nvideo_concurrency = {max(4, args.requests)}\n'
+                      f'max_jobs_per_tenant = {max(8, 2 * args.requests)}\n'
+                      f'[[models]]\nname = "bench"\npath = "{checkpoint}"\n'
+                      f'[models.pools.denoise]\nmax_batch_size = {max(4, args.requests)}\n')
+    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--config", str(config)],
+                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        _wait_ready(base, proc)
+        asyncio.run(_jobs(base, "bench", args, 1, "warm"))  # warm (another prompt: nothing cached is reused)
+        ours = asyncio.run(_jobs(base, "bench", args, args.requests))
+        sizes = _batch_sizes(httpx.get(f"{base}/metrics").text, "bench/denoise")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    ref = WanPipeline.from_pretrained(checkpoint)
+    ref.set_progress_bar_config(disable=True)
+    params = dict(height=args.size, width=args.size, num_frames=args.frames, num_inference_steps=args.steps,
+                  output_type="np")
+    ref("warm 0", generator=torch.Generator("cpu").manual_seed(0), **params)
+    t = time.perf_counter()
+    for i in range(args.requests):
+        ref(f"prompt {i}", generator=torch.Generator("cpu").manual_seed(i), **params)
+    return ours, time.perf_counter() - t, sizes
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _vae_child(checkpoint: str, tiled: bool, frames: int, size: int) -> None:
+    """One decode in this process; prints {"peak_kb": growth of the peak RSS, "seconds": ...}."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.set_grad_enabled(False)
+    vae = AutoencoderKLWan.from_pretrained(checkpoint, subfolder="vae")
+    if tiled:
+        vae.enable_tiling()
+    factor_t = 2 ** sum(vae.config.temperal_downsample)
+    factor_s = 2 ** len(vae.config.temperal_downsample)
+    latents = torch.randn(1, vae.config.z_dim, (frames - 1) // factor_t + 1, size // factor_s, size // factor_s,
+                          generator=torch.Generator().manual_seed(0))
+    before = _status_kb("VmRSS")
+    t = time.perf_counter()
+    out = vae.decode(latents).sample
+    seconds = time.perf_counter() - t
+    print(json.dumps({"peak_kb": _status_kb("VmHWM") - before, "seconds": seconds, "shape": list(out.shape)}))
+
+
+def vae_memory(checkpoint: str, args) -> dict[bool, dict]:
+    result = {}
+    for tiled in (False, True):
+        run = subprocess.run([sys.executable, __file__, "--_vae-child", "1" if tiled else "0", "--checkpoint",
+                              checkpoint, "--vae-frames", str(args.vae_frames), "--vae-size", str(args.vae_size)],
+                             capture_output=True, text=True, timeout=600)
+        if run.returncode != 0:
+            raise RuntimeError(run.stderr)
+        result[tiled] = json.loads(run.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--size", type=int, default=64, help="frame width and height, px")
+    parser.add_argument("--frames", type=int, default=17)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--vae-size", type=int, default=512, help="decoded frame width and height, px")
+    parser.add_argument("--vae-frames", type=int, default=5)
+    parser.add_argument("--_vae-child", dest="vae_child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.vae_child is not None:
+        return _vae_child(args.checkpoint, args.vae_child == "1", args.vae_frames, args.vae_size)
+
+    from pipelines.demo import build_demo_model
+
+    checkpoint = args.checkpoint or str(build_demo_model("wan", Path.home() / ".cache/mmserve/bench/wan-tiny"))
+    print(f"checkpoint {checkpoint}, {args.size}x{args.size} px, {args.frames} frames, {args.steps} steps, "
+          f"{os.cpu_count()} CPUs")
+    ours, ref, sizes = throughput(checkpoint, args)
+    n = args.requests
+    print(f"throughput mmserve {ours:7.2f} s for {n} videos (server, {n} concurrent jobs)   diffusers {ref:7.2f} s "
+          f"({n} sequential)   ratio {ref / ours:.2f}x (target >= 1.5)")
+    print(f"denoise batch sizes reached: {sizes}")
+    mem = vae_memory(checkpoint, args)
+    untiled, tiled = mem[False], mem[True]
+    print(f"vae decode {args.vae_size}x{args.vae_size} px x {args.vae_frames} frames: peak RSS growth untiled "
+          f"{untiled['peak_kb'] / 1024:8.1f} MiB ({untiled['seconds']:.2f} s)   tiled {tiled['peak_kb'] / 1024:8.1f} MiB "
+          f"({tiled['seconds']:.2f} s)   ratio {untiled['peak_kb'] / max(tiled['peak_kb'], 1):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
