@@ -43,6 +43,21 @@ def main() -> None:
                                          {"type": "image_url", "image_url": {"url": data_uri}}]}])
         print("image chat:", reply.choices[0].finish_reason, reply.usage.prompt_tokens, "prompt tokens")
 
+    # A text-to-video job (the OpenAI-style /v1/videos job API), polled to completion.
+    if "wan-demo" in served:
+        import time
+
+        import httpx
+
+        root = args.base_url.rstrip("/")
+        job = httpx.post(f"{root}/videos", json={"model": "wan-demo", "prompt": "waves", "size": "32x32",
+                                                 "num_frames": 5, "num_inference_steps": 2, "seed": 0}).json()
+        while job["status"] in ("queued", "in_progress"):
+            time.sleep(0.2)
+            job = httpx.get(f"{root}/videos/{job['id']}").json()
+        video = httpx.get(f"{root}/videos/{job['id']}/content").content
+        print("video job:", job["status"], len(video), "bytes of mp4")
+
     # Embeddings, speech and transcription when those demo models are served.
     embedder = next((m for m in ("minilm-demo", "clip-demo") if m in served), None)
     if embedder:

@@ -52,6 +52,7 @@ def test_make_serve_answers_the_openai_client(tmp_path):
         for family in ("sd", "sdxl", "sd3", "flux"):
             assert f"{family}-demo" in run.stdout
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "video job: completed" in run.stdout, run.stdout
         for line in ("chat:", "image chat:", "embeddings:", "speech:", "transcription:"):
             assert line in run.stdout, run.stdout
     finally:
