@@ -26,11 +26,12 @@ class Pipeline:
     @classmethod
     def from_pretrained(cls, path_or_id: str | Path, *, family: str | None = None, device: str = "cpu",
                         dtype: str = "float32", max_batch_size: int = 8, limits: ImageLimits | None = None,
-                        request_timeout_s: float | None = None) -> "Pipeline":
-        """Load a diffusers checkpoint (directory or hub id) and start its stage pools."""
+                        request_timeout_s: float | None = None, **speedups) -> "Pipeline":
+        """Load a diffusers checkpoint (directory or hub id) and start its stage pools. `speedups`: ModelSpec's
+        graphs, compile, step_cache and fused_kernels (all off by default)."""
         name = Path(str(path_or_id)).name or "model"
         pools = {"denoise": PoolConfig(max_batch_size=max_batch_size)}
-        spec = ModelSpec(name, str(path_or_id), family=family, device=device, dtype=dtype, pools=pools)
+        spec = ModelSpec(name, str(path_or_id), family=family, device=device, dtype=dtype, pools=pools, **speedups)
         engine = Engine(EngineConfig(models=(spec,), limits=limits or ImageLimits(), request_timeout_s=request_timeout_s))
         engine.start()
         return cls(engine, name, owns_engine=True)
@@ -39,13 +40,14 @@ class Pipeline:
                height: int | None = None, num_inference_steps: int | None = None,
                guidance_scale: float | None = None, seed: int | None = None, num_images_per_prompt: int = 1,
                image: Any = None, mask_image: Any = None, strength: float = 0.8, partial_images: int = 0,
-               tenant: str = "default", **extra) -> RequestHandle:
-        """Start a request; the handle streams events (progress per step) and can cancel()."""
+               tenant: str = "default", step_cache: dict | None = None, **extra) -> RequestHandle:
+        """Start a request; the handle streams events (progress per step) and can cancel().
+        `step_cache`: opt-in approximate step caching, e.g. {"method": "teacache", "threshold": 0.2}."""
         request = ImageRequest(
             prompt=prompt, task=image_task(image is not None, mask_image is not None), negative_prompt=negative_prompt,
             width=width, height=height, n=num_images_per_prompt, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, seed=seed, strength=strength, image=image, mask=mask_image,
-            tenant=tenant, previews=partial_images, extra=extra)
+            tenant=tenant, previews=partial_images, extra=extra, step_cache=step_cache)
         return self.engine.submit_image(self.model, request)
 
     def __call__(self, prompt: str, *, output_type: str = "pil", **kwargs):

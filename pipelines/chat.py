@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.request import RequestError
+from stages.graph_metrics import MetricsObserver
+from stages.graph_runner import GraphConfig
 from stages.llm.params import SamplingParams
 from stages.llm.runner import ModelRunner
 from stages.llm.scheduler import SchedulerConfig
@@ -43,13 +45,20 @@ class LLMConfig:
 class ChatModel:
     """A loaded causal LM: tokenizer + chat template, runner with its paged KV, and the llm stage."""
 
-    def __init__(self, name: str, path: str, *, device: str, dtype: str, config: LLMConfig, metrics: Metrics):
+    def __init__(self, name: str, path: str, *, device: str, dtype: str, config: LLMConfig, metrics: Metrics,
+                 graphs: GraphConfig = GraphConfig(), fused_kernels: bool = False):
+        """`graphs`: decode row buckets (captured by `capture_graphs` at warm-up); `fused_kernels`: Triton RMSNorm."""
         from transformers import AutoTokenizer
 
         self.name = name
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
-                                  kv_cache_mb=config.kv_cache_mb)
+                                  kv_cache_mb=config.kv_cache_mb, graphs=graphs, name=name,
+                                  observer=MetricsObserver(metrics, "llm", name) if graphs.enabled else None)
+        if fused_kernels:
+            from stages.kernels.patch import use_fused_norms
+
+            use_fused_norms(self.runner.model)
         self.weights_id = f"{LLM_FAMILY}:{path}"
         self.stage = self._llm_stage(config, metrics)
 

@@ -14,6 +14,10 @@ from stages.media_audio import AudioDecodeLimits
 from stages.media_fetch import FetchPolicy
 from stages.media_video import VideoDecodeLimits
 from stages.pool import PoolConfig
+from stages.compile import CompileConfig
+from stages.denoiser import Speedups
+from stages.graph_runner import GraphConfig
+from stages.step_cache import StepCacheConfig
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,12 @@ class ModelSpec:
     vlm: VLMConfig = VLMConfig()  # vision-language models only: media limits per request, encoder batching
     asr: AsrConfig = AsrConfig()  # speech recognition (Whisper) only: windows per forward, tokens per window
     video: VideoConfig = VideoConfig()  # video families (wan, ltx) only: VAE tiling/slicing, request limits
+    # Speed-ups (DESIGN §8), all off by default: graph buckets (denoise rows x sizes; llm decode rows),
+    # regional compile of the repeated blocks, step caching requests may opt into, fused Triton kernels.
+    graphs: GraphConfig = GraphConfig()
+    compile: CompileConfig = CompileConfig()
+    step_cache: StepCacheConfig = StepCacheConfig()
+    fused_kernels: bool = False
 
 
     def __post_init__(self):
@@ -42,6 +52,10 @@ class ModelSpec:
 
     def pool(self, kind: str) -> PoolConfig:
         return self.pools.get(kind) or DEFAULT_POOLS.get(kind, PoolConfig())
+
+    @property
+    def speedups(self) -> Speedups:
+        return Speedups(self.graphs, self.compile, self.step_cache, self.fused_kernels)
 
 
 # Batching windows: the denoise loop batches at step boundaries (no extra wait needed);
@@ -84,6 +98,7 @@ class VoiceSpec:
     voice: str | None = None  # the TTS voice; None: the TTS model's first
     instructions: str = "You are a helpful voice assistant. Answer in one or two short sentences."
     max_output_tokens: int = 256  # per response, unless the session or response asks for fewer
+    seed: int | None = None  # seeds every response's sampling (tests and benchmarks pin it); None: random
 
     def __post_init__(self):
         for key in ("name", "asr", "chat", "tts"):
@@ -91,6 +106,35 @@ class VoiceSpec:
                 raise ValueError(f"voice model: '{key}' must be a non-empty string")
         if self.max_output_tokens < 1:
             raise ValueError(f"voice model {self.name}: max_output_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class VoiceSessionConfig:
+    """How voice sessions (WS /v1/realtime) pace, bound and detect: the server's side of the protocol."""
+
+    max_lead_ms: int = 1000  # audio sent ahead of the client's (simulated) playback; bounds interruption-to-silence
+    delta_ms: int = 100  # audio in one response.output_audio.delta
+    max_append_bytes: int = 8 << 20  # decoded audio of one input_audio_buffer.append (its base64 must fit a frame)
+    max_event_bytes: int = 12 << 20  # one client event (text frame); uvicorn's own frame cap is 16 MiB
+    max_input_age_ms: int = 2000  # input audio that waited this long in the session's mailbox is dropped
+    mailbox_events: int = 256  # client events queued per session; the socket reader waits when it is full
+    partial_every_s: float = 1.0  # ASR partials (transcription deltas) per this much speech; each costs a decode
+    min_speech_ms: int = 64  # server_vad: speech must last this long to count (debounce; delays barge-in as much)
+    vad: str = "silero"  # "silero" (the silero-vad package; energy when absent) or "energy"
+    max_items: int = 512  # conversation items kept per session; the oldest are forgotten
+
+    def __post_init__(self):
+        if not 20 <= self.delta_ms <= 1000 or self.max_lead_ms < self.delta_ms:
+            raise ValueError("realtime.voice: delta_ms must be in 20..1000 and max_lead_ms >= delta_ms")
+        if self.max_append_bytes < 1 or self.max_event_bytes < self.max_append_bytes * 4 // 3 + 1024:
+            raise ValueError("realtime.voice: max_event_bytes must hold a base64 append of max_append_bytes "
+                             f"(>= {self.max_append_bytes * 4 // 3 + 1024})")
+        if self.max_input_age_ms < 1 or self.mailbox_events < 1 or self.max_items < 2:
+            raise ValueError("realtime.voice: max_input_age_ms and mailbox_events must be >= 1, max_items >= 2")
+        if self.partial_every_s <= 0 or self.min_speech_ms < 0:
+            raise ValueError("realtime.voice: partial_every_s must be > 0 and min_speech_ms >= 0")
+        if self.vad not in ("silero", "energy"):
+            raise ValueError(f"realtime.voice.vad must be 'silero' or 'energy', got {self.vad!r}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +148,7 @@ class RealtimeConfig:
     resume_grace_s: float = 30.0  # a dropped session waits this long for `session.resume`
     journal_max_events: int = 4096  # server events kept for replay on resume
     journal_max_bytes: int = 16 << 20  # ... and their bytes; older events fall out (resume then needs a resync)
+    voice: VoiceSessionConfig = VoiceSessionConfig()  # [realtime.voice]: pacing, input bounds, VAD
 
     def __post_init__(self):
         if self.max_voice_sessions < 0 or self.max_video_sessions < 0:

@@ -35,6 +35,7 @@ from stages.request import RequestHandle
 log = logging.getLogger(__name__)
 
 REALTIME_VOICE_TASK = "realtime-voice"  # ModelInfo.tasks of a voice model (WS /v1/realtime)
+REALTIME_VIDEO_TASK = "realtime-video"  # ModelInfo.tasks of a model that serves WS /v1/realtime/video sessions
 MEDIA_STATUS = {"media_bytes": 413, "media_pixels": 413, "media_frames": 413, "media_duration": 413}
 
 
@@ -112,23 +113,25 @@ class Engine:
         options = {"video": spec.video} if issubclass(cls, VideoFamily) else {}
         family: ImageFamily = cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype,
                                   prompt_cache=self.prompt_cache, **options)
+        family.accelerate(spec.speedups, self.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         for kind, stage in (("text_encode", TextEncodeStage(family)), ("denoise", DenoiseStage(family)),
                             ("vae_decode", VaeDecodeStage(family))):
             self.executor.add_pool(f"{spec.name}/{kind}", stage, spec.pool(kind))
         self._families[spec.name] = family
         self._specs[spec.name] = spec
+        tasks = _realtime_video(family_name, family.tasks)
         if isinstance(family, VideoFamily):
             (width, height), video = family.request_default_size, family.video_defaults
-            self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, family.tasks, family.size_factor,
+            self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor,
                                                max(width, height), video_defaults=video)
         else:
-            self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, family.tasks,
+            self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, tasks,
                                                family.size_factor, family.default_size)
         log.info("loaded %s (%s) from %s", spec.name, family_name, spec.path)
 
     def _load_llm(self, spec: ModelSpec) -> None:
         chat = ChatModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.llm,
-                         metrics=self.metrics)
+                         metrics=self.metrics, graphs=spec.graphs, fused_kernels=spec.fused_kernels)
         self.executor.add_pool(f"{spec.name}/llm", chat.stage, spec.pool("llm"))
         self._chats[spec.name] = chat
         self._specs[spec.name] = spec
@@ -206,19 +209,26 @@ class Engine:
         if name in self._chats:
             params = SamplingParams(temperature=0, max_tokens=1)
             self.submit_chat(name, ChatRequest(prompt="warm-up", params=params)).result(timeout=600)
+            self._chats[name].runner.capture_graphs()  # every decode bucket, before ready
             return
-        info = self.models[name]
+        # Diffusion: a tiny request, or one per declared graph shape (each captures its buckets); then seal.
+        info, graphs = self.models[name], self._specs[name].graphs
         if isinstance(self._families[name], VideoFamily):  # a small video: one latent frame past the first
             from PIL import Image
 
             size, frames = info.size_factor, info.video_defaults["frame_factor"] + 1
             image = None if "text-to-video" in info.tasks else Image.new("RGB", (size, size), (128, 128, 128))
-            self.submit_video(name, VideoRequest(prompt="warm-up", width=size, height=size, num_frames=frames,
-                                                 num_inference_steps=2, seed=0, image=image)).result(timeout=600)
-            return
-        size = info.size_factor * 2
-        self.submit_image(name, ImageRequest(prompt="warm-up", width=size, height=size, num_inference_steps=1,
-                                             seed=0)).result(timeout=600)
+            for (width, height), num_frames in [(s, f) for s in graphs.sizes or [(size, size)]
+                                                for f in graphs.frames or [frames]]:
+                self.submit_video(name, VideoRequest(prompt="warm-up", width=width, height=height,
+                                                     num_frames=num_frames, num_inference_steps=2, seed=0,
+                                                     image=image)).result(timeout=600)
+        else:
+            size = info.size_factor * 2
+            for width, height in graphs.sizes or [(size, size)]:
+                self.submit_image(name, ImageRequest(prompt="warm-up", width=width, height=height,
+                                                     num_inference_steps=1, seed=0)).result(timeout=600)
+        self._families[name].denoiser.seal()
 
     # -- requests -------------------------------------------------------------------------
     def voice_model(self, model: str) -> VoiceSpec:
@@ -406,6 +416,13 @@ def image_task(has_image: bool, has_mask: bool) -> Task:
     if has_mask:
         return Task.INPAINTING
     return Task.IMAGE_TO_IMAGE if has_image else Task.TEXT_TO_IMAGE
+
+
+def _realtime_video(family: str, tasks: tuple[str, ...]) -> tuple[str, ...]:
+    """A model's tasks plus realtime-video when it can serve video sessions: SD-family image-to-image
+    (StreamDiffusion-style img2img) and text-to-video families (chunked t2v)."""
+    img2img = family in ("sd", "sdxl") and Task.IMAGE_TO_IMAGE.value in tasks
+    return (*tasks, REALTIME_VIDEO_TASK) if img2img or "text-to-video" in tasks else tasks
 
 
 def _served(table: dict, model: str, does: str, kinds: str):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.events import StageError
+from stages.step_cache import StepCacheParams
 
 
 class Task(str, enum.Enum):
@@ -54,6 +55,8 @@ class ImageRequest:
     tenant: str = "default"  # enters every cache identity
     previews: int = 0  # how many partial images to stream (each costs a VAE decode)
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs (max_sequence_length, ...)
+    # Opt-in approximate step caching: {"method": "teacache" | "fbcache" | "interval", "threshold" | "interval"}
+    step_cache: StepCacheParams | dict | None = None
 
     def validate(self, *, size_factor: int, default_size: int, default_steps: int, default_guidance: float,
                  limits: ImageLimits) -> "ImageRequest":
@@ -100,6 +103,7 @@ class ImageRequest:
             if self.mask.size != self.image.size:
                 raise RequestError("mask", f"mask is {self.mask.size[0]}x{self.mask.size[1]} but the image is "
                                            f"{self.image.size[0]}x{self.image.size[1]}; they must match")
+        step_cache = StepCacheParams.parse(self.step_cache)
         seed = self.seed
         if seed is None:
             import secrets
@@ -107,4 +111,5 @@ class ImageRequest:
         return ImageRequest(
             prompt=self.prompt, task=self.task, negative_prompt=self.negative_prompt, width=width, height=height,
             n=self.n, num_inference_steps=steps, guidance_scale=guidance, seed=seed, strength=self.strength,
-            image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews, extra=dict(self.extra))
+            image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews, extra=dict(self.extra),
+            step_cache=step_cache)

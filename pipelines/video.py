@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from pipelines.request import RequestError
+from stages.step_cache import StepCacheParams
 
 
 class VideoTask(str, enum.Enum):
@@ -69,6 +70,7 @@ class VideoRequest:
     seed: int | None = None  # None: a random seed, reported back
     image: Any = None  # PIL.Image.Image: the image-to-video reference (the first frame)
     tenant: str = "default"  # enters every cache identity
+    step_cache: StepCacheParams | dict | None = None  # opt-in approximate step caching (see ImageRequest)
 
     previews: ClassVar[int] = 0  # the denoise stage's preview count: videos stream none
 
@@ -117,7 +119,8 @@ class VideoRequest:
             raise RequestError("seed", f"seed must be an integer between 0 and 2**63-1; got {self.seed!r}")
         if self.image is not None and not hasattr(self.image, "convert"):
             raise RequestError("input_reference", "the reference image must be a decoded image")
+        step_cache = StepCacheParams.parse(self.step_cache)
         seed = self.seed if self.seed is not None else secrets.randbits(63)
         return replace(self, width=width, height=height, num_frames=frames, fps=float(fps), num_inference_steps=steps,
-                       guidance_scale=float(guidance), seed=seed,
+                       guidance_scale=float(guidance), seed=seed, step_cache=step_cache,
                        image=self.image.convert("RGB") if self.image is not None else None)

@@ -24,13 +24,18 @@
 
     [realtime]                    # optional: pipelines.config.RealtimeConfig (WebSocket sessions)
     max_voice_sessions = 16
+    max_video_sessions = 4        # WS /v1/realtime/video: one more is refused (session_limit_reached), none evicted
     idle_timeout_s = 120
+    [realtime.voice]              # optional: pipelines.config.VoiceSessionConfig
+    max_lead_ms = 1000            # audio sent ahead of playback (bounds interruption-to-silence)
+    vad = "silero"                # or "energy"
 
     [[voices]]                    # realtime voice models (WS /v1/realtime): served models composed
     name = "voice"                # the demo has "voice-demo": whisper-tiny-en (or whisper-demo) + llama-demo + vits-demo
     asr = "whisper-tiny-en"
     chat = "llama"
     tts = "vits"
+    seed = 0                      # optional, as voice, instructions, max_output_tokens (pipelines.config.VoiceSpec)
 
     [[models]]                    # none: the demo models (sd, sdxl, sd3, flux, llama, clip, minilm: `<family>-demo`;
                                   # llava-demo, qwen-vl-demo, vits-demo, speecht5-demo, whisper-demo,
@@ -51,6 +56,12 @@
     max_images = 8
     [models.asr]                  # speech recognition (Whisper) only: pipelines.asr.AsrConfig
     max_windows = 8
+    [models.graphs]               # optional speed-ups (DESIGN §8): stages.graph_runner.GraphConfig
+    batch_sizes = [1, 2, 4, 8]    # rows of a forward; diffusion shapes: sizes = [[512, 512]], frames = [81]
+    [models.compile]              # stages.compile.CompileConfig: regional torch.compile
+    enabled = true
+    [models.step_cache]           # stages.step_cache.StepCacheConfig: requests may ask for step caching
+    enabled = true                # (and fused_kernels = true in [[models]]: Triton norms and commit)
 
 Unknown keys are errors (a typo must not silently fall back to a default).
 """
@@ -72,6 +83,9 @@ from pipelines.embeddings import CLIP_EMBEDDING_FAMILY, EMBEDDING_FAMILY
 from pipelines.request import ImageLimits
 from pipelines.video import VideoConfig
 from stages.pool import PoolConfig
+from stages.compile import CompileConfig
+from stages.graph_runner import GraphConfig
+from stages.step_cache import StepCacheConfig
 
 log = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
@@ -97,6 +111,7 @@ DEMO_FAMILIES += tuple(VIDEO_DEMO_FAMILIES)
 DEMO_VIDEO = VideoConfig(default_size=(64, 64), default_frames=17)  # not the pipelines' 832x480x81: CPU-sized
 DEMO_ASR = AsrConfig(max_new_tokens=32)  # random weights never end a window: cap what they ramble
 DEMO_LLM = LLMConfig(kv_cache_mb=32)  # the tiny demo LM: 64k tokens of KV (512 bytes a token) is plenty
+SPEEDUP_KEYS = ("graphs", "compile", "step_cache", "fused_kernels")  # ModelSpec's speed-up fields
 POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm", "embed", "vision_encode", "tts", "asr")
 
 
@@ -243,7 +258,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
-                  "video"), where)
+                  "video") + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")
@@ -262,6 +277,9 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
         values["asr"] = _build(AsrConfig, values["asr"], f"{where} asr")
     if "video" in values:  # video = {vae_tiling = true, default_size = [64, 64], limits = {max_frames = 65}}
         values["video"] = _build(VideoConfig, values["video"], f"{where} video")
+    for key, cls in (("graphs", GraphConfig), ("compile", CompileConfig), ("step_cache", StepCacheConfig)):
+        if key in values:  # graphs = {batch_sizes = [1, 2, 4], sizes = [[512, 512]]}; step_cache = {enabled = true}
+            values[key] = _build(cls, values[key], f"{where} {key}")
     return ModelSpec(**values)
 
 

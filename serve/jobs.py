@@ -31,7 +31,7 @@ JOB_KINDS = ("video", "batch")
 STATUSES = ("queued", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 VIDEO_REQUEST_FIELDS = ("prompt", "negative_prompt", "width", "height", "num_frames", "fps", "num_inference_steps",
-                        "guidance_scale", "seed")  # what a video job keeps of pipelines.video.VideoRequest
+                        "guidance_scale", "seed", "step_cache")  # what a video job keeps of pipelines.video.VideoRequest
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -22,7 +22,7 @@ from pipelines.request import RequestError
 from serve.auth import tenant_of
 from serve.errors import ApiError
 from serve.jobs import VIDEO_REQUEST_FIELDS, Job, write_atomic
-from serve.schemas import parse_size
+from serve.schemas import StepCacheBody, json_object, parse_size
 from stages.events import StageError
 
 router = APIRouter()
@@ -45,6 +45,9 @@ class VideoBody(BaseModel):
     # JSON only: a data: URI or URL of the image, or {"image_url": "<data: URI or URL>"} (also {"image_url":
     # {"url": ...}}) as the chat/Responses APIs spell an image; multipart sends it as a file part instead
     input_reference: str | dict[str, Any] | None = None
+    step_cache: StepCacheBody | None = None  # extension: approximate step caching (the model must allow it)
+
+    _step_cache_json = field_validator("step_cache", mode="before")(json_object)
 
     def reference_source(self) -> str | None:
         """The input_reference as one data: URI or URL string (None: none given). Raises RequestError."""
@@ -69,7 +72,8 @@ class VideoBody(BaseModel):
             num_frames = max(1, round(self.seconds * fps / frame_factor)) * frame_factor + 1
         return dict(model=model, prompt=self.prompt, negative_prompt=self.negative_prompt, width=width,
                     height=height, num_frames=num_frames, fps=fps, num_inference_steps=self.num_inference_steps,
-                    guidance_scale=self.guidance_scale, seed=self.seed, size=self.size, seconds=self.seconds)
+                    guidance_scale=self.guidance_scale, seed=self.seed, size=self.size, seconds=self.seconds,
+                    step_cache=self.step_cache.params() if self.step_cache is not None else None)
 
 
 @router.post("/v1/videos")

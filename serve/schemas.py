@@ -7,12 +7,14 @@ are accepted and ignored so that stock clients work; unknown fields are refused,
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipelines.request import ImageRequest, RequestError, Task
+from stages.step_cache import MAX_INTERVAL, MAX_THRESHOLD
 
 ResponseFormat = Literal["b64_json", "url"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -34,6 +36,29 @@ def parse_size(size: str | None) -> tuple[int, int] | None:
     if width < 1 or height < 1:
         raise RequestError("size", f"width and height must be positive; got {size!r}", code="invalid_size")
     return width, height
+
+
+class StepCacheBody(BaseModel):
+    """Extension `step_cache`: opt-in approximate step caching (the model must allow it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["teacache", "fbcache", "interval"]
+    threshold: float | None = Field(None, ge=0, le=MAX_THRESHOLD)  # teacache / fbcache; 0 computes every step
+    interval: int | None = Field(None, ge=1, le=MAX_INTERVAL)  # interval: compute every interval-th step
+
+    def params(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+def json_object(value: Any) -> Any:
+    """Multipart forms carry objects as JSON text."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError("must be a JSON object") from None
+    return value
 
 
 class ImageParams(BaseModel):
@@ -61,6 +86,9 @@ class ImageParams(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1)  # None: the family default; upper bound: the engine limit
     guidance_scale: float | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**63)  # None: random, reported back in the response
+    step_cache: StepCacheBody | None = None  # approximate step caching; the model must allow it
+
+    _step_cache_json = field_validator("step_cache", mode="before")(json_object)
 
     @field_validator("prompt")
     @classmethod
@@ -86,6 +114,7 @@ class ImageParams(BaseModel):
             prompt=self.prompt, task=task, negative_prompt=self.negative_prompt, width=width, height=height,
             n=self.n, num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             seed=self.seed, image=image, mask=mask, tenant=tenant,
+            step_cache=self.step_cache.params() if self.step_cache is not None else None,
             # Previews only make sense on a stream; computing them otherwise would waste VAE decodes.
             previews=(self.partial_images or 0) if self.stream else 0)
         if strength is not None:

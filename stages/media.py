@@ -210,6 +210,7 @@ def _test_allocate(mb: int) -> int:
 WORKER_FUNCTIONS = {
     "encode_image": "stages.media", "decode_image": "stages.media",
     "probe_video": "stages.media_video", "decode_video": "stages.media_video", "encode_video": "stages.media_video",
+    "encode_fmp4_segment": "stages.media_video_encode",
     "probe_audio": "stages.media_audio", "decode_audio": "stages.media_audio", "encode_audio": "stages.media_audio",
     **{name: "stages.media" for name in ("_test_echo", "_test_sleep", "_test_crash", "_test_burn_cpu", "_test_allocate")},
 }

@@ -1,14 +1,19 @@
 """Video encoders: whole files (MP4/H.264, WebM/VP9, GIF) and streaming fragmented MP4.
 
-`encode_video` runs inside media worker processes (listed, by re-export, in
+`encode_video` and `encode_fmp4_segment` run inside media worker processes (listed in
 `stages.media.WORKER_FUNCTIONS`). `FragmentedMP4Writer` holds an encoder between calls,
-so it lives in the process that streams. Imports only the stdlib, numpy, PIL and PyAV.
+so it lives in the process that streams. `encode_fmp4_segment` is its stateless form for
+streams that cross the worker boundary: each call encodes one self-contained run of frames
+(starting with a keyframe) as fragments numbered and timed to continue the stream, so the
+segments concatenate into one valid MP4. Imports only the stdlib, numpy, PIL and PyAV.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import struct
+from dataclasses import dataclass
 from fractions import Fraction
 
 import av
@@ -177,3 +182,95 @@ def _encode_gif(frames: np.ndarray, fps: float) -> bytes:
     out = io.BytesIO()
     images[0].save(out, format="GIF", save_all=True, append_images=images[1:], duration=delay_ms, loop=0)
     return out.getvalue()
+
+
+@dataclass(frozen=True)
+class Fmp4Segment:
+    """What `encode_fmp4_segment` returns."""
+
+    data: bytes  # [ftyp + moov when with_init] then moof + mdat fragments
+    fragments: int  # moof boxes in `data`: the next segment's first_fragment is first_fragment + fragments
+    frames: int  # frames encoded: the next segment's first_frame is first_frame + frames
+
+
+def encode_fmp4_segment(frames: np.ndarray, fps: float, *, first_frame: int = 0, first_fragment: int = 1,
+                        with_init: bool = True, crf: int | None = None) -> Fmp4Segment:
+    """Encode uint8 [T, H, W, 3] frames as fragmented-MP4 bytes that continue a stream.
+
+    The frames go through a fresh H.264 encoder (one GOP, so the segment starts with a keyframe
+    and needs nothing before it but the init segment); then each fragment's sequence number
+    (mfhd) starts at `first_fragment` and its decode time (tfdt) at frame `first_frame`. The init
+    segment (ftyp + moov) depends only on the size, fps and crf, so one stream sends it once
+    (`with_init` on its first segment) until the size changes.
+    """
+    frames = frames[None] if frames.ndim == 3 else frames
+    _check_frames(frames)
+    if first_frame < 0 or first_fragment < 1:
+        raise ValueError(f"first_frame must be >= 0 and first_fragment >= 1, got {first_frame} and {first_fragment}")
+    # One GOP longer than the segment: a single keyframe, hence a single fragment.
+    writer = FragmentedMP4Writer(frames.shape[2], frames.shape[1], fps, crf=crf, fragment_s=(len(frames) + 1) / fps)
+    encoded = writer.write(frames) + writer.close()
+    tick = _frame_ticks(_child(encoded, "moov"), fps)
+    parts, fragments = [], 0
+    for kind, box in _boxes(encoded):
+        if kind in ("ftyp", "moov") and with_init:
+            parts.append(box)
+        elif kind == "moof":
+            parts.append(_renumber_fragment(box, first_fragment + fragments, first_frame * tick))
+            fragments += 1
+        elif kind == "mdat":
+            parts.append(box)  # trun data offsets count from the moof (default_base_moof): moving it is safe
+    return Fmp4Segment(b"".join(parts), fragments, len(frames))
+
+
+def _boxes(data: bytes | bytearray, start: int = 0, end: int | None = None):
+    """(type, box bytes) of the ISO-BMFF boxes in data[start:end], in order."""
+    end = len(data) if end is None else end
+    while start + 8 <= end:
+        size, kind = struct.unpack_from(">I4s", data, start)
+        if size < 8:
+            raise ValueError(f"malformed MP4 box {kind!r} of size {size}")
+        yield kind.decode("latin-1"), data[start:start + size]
+        start += size
+
+
+def _child(data: bytes, *path: str) -> bytes:
+    """The first box along `path` (top level first)."""
+    box = data
+    for depth, kind in enumerate(path):
+        inner = box if depth == 0 else box[8:]
+        box = next((b for k, b in _boxes(inner) if k == kind), None)
+        if box is None:
+            raise ValueError(f"no {'/'.join(path)} box in the encoded segment")
+    return box
+
+
+def _frame_ticks(moov: bytes, fps: float) -> int:
+    """One frame's duration in the track's timescale (mdhd); the muxer picks a multiple of the rate."""
+    mdhd = _child(moov[8:], "trak", "mdia", "mdhd")
+    timescale = struct.unpack_from(">I", mdhd, 20 if mdhd[8] == 0 else 28)[0]
+    rate = Fraction(fps).limit_denominator(1001)
+    ticks = Fraction(timescale) / rate
+    if ticks.denominator != 1:
+        raise ValueError(f"timescale {timescale} does not hold whole frames at {fps} fps")
+    return int(ticks)
+
+
+def _renumber_fragment(moof: bytes, sequence: int, time_offset: int) -> bytes:
+    """A moof with its mfhd sequence number set and its tfdt decode times moved by `time_offset`."""
+    out = bytearray(moof)
+    pos = 8
+    while pos + 8 <= len(out):
+        size, kind = struct.unpack_from(">I4s", out, pos)
+        if kind == b"mfhd":
+            struct.pack_into(">I", out, pos + 12, sequence)
+        elif kind == b"traf":
+            inner = pos + 8
+            while inner + 8 <= pos + size:
+                inner_size, inner_kind = struct.unpack_from(">I4s", out, inner)
+                if inner_kind == b"tfdt":
+                    fmt = ">Q" if out[inner + 8] == 1 else ">I"
+                    struct.pack_into(fmt, out, inner + 12, struct.unpack_from(fmt, out, inner + 12)[0] + time_offset)
+                inner += inner_size
+        pos += size
+    return bytes(out)

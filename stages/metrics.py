@@ -44,11 +44,62 @@ class Metrics:
         self.llm_prefix_hit_tokens = Gauge("mmserve_llm_prefix_cache_hit_tokens", "Prompt tokens served from the "
                                            "prefix cache", ["model"], registry=r)
         self.llm_preemptions = Gauge("mmserve_llm_preemptions", "Sequences preempted (recompute)", ["model"], registry=r)
+        # Graph runner (DESIGN §8): stage is "denoise" or "llm".
+        self.graph_replays = Counter("mmserve_graph_replays_total", "Forwards replayed from a captured graph",
+                                     ["stage", "model"], registry=r)
+        self.graph_rows = Counter("mmserve_graph_rows_total", "Real rows of replayed forwards", ["stage", "model"],
+                                  registry=r)
+        self.graph_padded_rows = Counter("mmserve_graph_padded_rows_total", "Padding rows added to reach a bucket "
+                                         "(pad ratio = padded / (rows + padded))", ["stage", "model"], registry=r)
+        self.graph_eager = Counter("mmserve_graph_eager_total", "Forwards of a graph-enabled stage run eagerly, by "
+                                   "reason (shape, rows, padding, step_cache)", ["stage", "model", "reason"], registry=r)
+        self.graph_captures = Counter("mmserve_graph_captures_total", "Buckets captured (warm-up only)",
+                                      ["stage", "model"], registry=r)
+        self.graph_capture_seconds = Gauge("mmserve_graph_capture_seconds", "Time spent capturing graphs",
+                                           ["stage", "model"], registry=r)
+        self.graph_pool_bytes = Gauge("mmserve_graph_pool_bytes", "Device memory reserved by graph capture",
+                                      ["stage", "model"], registry=r)
+        self.compile_seconds = Gauge("mmserve_compile_warmup_seconds", "Time of the first call per shape of a "
+                                     "model with compiled blocks: compilation, and with graphs that shape's capture",
+                                     ["stage", "model"], registry=r)
+        self.step_cache_steps = Counter("mmserve_step_cache_steps_total", "Branch-steps of step-cached requests, "
+                                        "computed or skipped", ["model", "method", "outcome"], registry=r)
         self.cache_hits = Counter("mmserve_cache_hits_total", "Cache hits", ["cache"], registry=r)
         self.cache_misses = Counter("mmserve_cache_misses_total", "Cache misses", ["cache"], registry=r)
         self.cache_bytes = Gauge("mmserve_cache_bytes", "Bytes held by a cache", ["cache"], registry=r)
         self.cache_saved = Counter("mmserve_cache_compute_saved_seconds", "Compute time a cache saved (the "
                                    "recorded cost of each entry, per hit)", ["cache"], registry=r)
+
+        # Realtime video sessions (realtime/video*.py): what happened to each input or output frame.
+        self.rt_video_frames = Counter("mmserve_realtime_video_frames_total", "Realtime video frames by mode and "
+                                       "outcome (sent, deadline, superseded, similar, invalid, failed)",
+                                       ["model", "mode", "outcome"], registry=r)
+        self.rt_video_latency = Histogram("mmserve_realtime_video_frame_latency_seconds", "Capture (img2img) or "
+                                          "chunk start (t2v) to the output frame leaving the server",
+                                          ["model", "mode"], buckets=_TIME_BUCKETS, registry=r)
+        self.rt_video_sessions = Gauge("mmserve_realtime_video_sessions", "Live realtime video sessions",
+                                       registry=r)
+        self.rt_video_refused = Counter("mmserve_realtime_video_refused_total", "Video sessions refused at admission",
+                                        ["reason"], registry=r)
+        self.rt_video_degraded = Counter("mmserve_realtime_video_degraded_total", "Overload degradations by knob "
+                                         "(lookahead, steps, resolution)", ["knob"], registry=r)
+
+        # Realtime voice sessions (realtime/voice*.py): admission, the epoch fence, stage-to-ear latencies.
+        self.rt_voice_sessions = Gauge("mmserve_realtime_voice_sessions", "Live realtime voice sessions (attached "
+                                       "or waiting for a resume)", registry=r)
+        self.rt_voice_refused = Counter("mmserve_realtime_voice_refused_total", "Voice sessions refused at admission",
+                                        ["reason"], registry=r)
+        self.rt_voice_stale_dropped = Counter("mmserve_realtime_voice_stale_chunks_dropped_total", "Response audio "
+                                              "of an old epoch dropped at the fence (cancellation lost the race)",
+                                              registry=r)
+        self.rt_voice_input_dropped = Counter("mmserve_realtime_voice_input_dropped_total", "Input audio appends "
+                                              "dropped because they waited too long", registry=r)
+        self.rt_voice_ttfa = Histogram("mmserve_realtime_voice_time_to_first_audio_seconds", "End of the user's turn "
+                                       "(speech_stopped, commit or response.create) to the first audio delta sent",
+                                       ["model"], buckets=_TIME_BUCKETS, registry=r)
+        self.rt_voice_interrupt = Histogram("mmserve_realtime_voice_interruption_to_silence_seconds", "Barge-in (or "
+                                            "cancel) seen to the last audio of the cancelled response sent",
+                                            ["model"], buckets=_TIME_BUCKETS, registry=r)
 
     def batch_size_samples(self, stage: str, model: str = "") -> dict[int, float]:
         """Cumulative bucket counts of the batch-size histogram: {upper bound: count <= bound}."""

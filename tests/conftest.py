@@ -4,7 +4,7 @@ import os
 
 # Before anything imports torch, diffusers or triton.
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # examples/gpu_run.sh sets 0: native kernels on the GPU
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402

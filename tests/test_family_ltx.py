@@ -42,7 +42,8 @@ def _run(engine, **kwargs):
 
 def test_defaults_follow_the_pipeline(engine):
     info = engine.models["m"]
-    assert (info.family, set(info.tasks), info.size_factor) == ("ltx", {"text-to-video", "image-to-video"}, 32)
+    assert (info.family, set(info.tasks), info.size_factor) == ("ltx", {"text-to-video", "image-to-video",
+                                                                        "realtime-video"}, 32)
     assert info.video_defaults == {"width": 704, "height": 512, "num_frames": 161, "fps": 25.0, "frame_factor": 4}
     fam = engine.family("m")
     assert (fam.default_steps, fam.default_guidance) == (50, 3.0)

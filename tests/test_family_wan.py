@@ -61,7 +61,7 @@ def _run(engine, **kwargs):
 
 def test_defaults_follow_the_pipeline(engine, i2v_engine):
     info = engine.models["m"]
-    assert (info.family, info.tasks, info.size_factor) == ("wan", ("text-to-video",), 16)
+    assert (info.family, info.tasks, info.size_factor) == ("wan", ("text-to-video", "realtime-video"), 16)
     assert info.video_defaults == {"width": 832, "height": 480, "num_frames": 81, "fps": 16.0, "frame_factor": 4}
     assert i2v_engine.models["m"].tasks == ("image-to-video",)
 
@@ -172,7 +172,8 @@ def test_wan22_text_to_video_equals_diffusers(wan22_paths, layout):
                   guidance_scale=4.0)
     ref = _reference(WanPipeline, wan22_paths[layout])("a cat", generator=seeded(3), output_type="np", **common)
     with running_engine(wan22_paths[layout]) as eng:
-        assert eng.models["m"].tasks == (("text-to-video",) if layout == "a14b" else ("text-to-video", "image-to-video"))
+        tasks = ("text-to-video",) if layout == "a14b" else ("text-to-video", "image-to-video")
+        assert eng.models["m"].tasks == (*tasks, "realtime-video")
         ours = _run(eng, prompt="a cat", seed=3, **common)
     np.testing.assert_allclose(ours["pixels"], ref.frames[0], atol=1e-5)
 

@@ -91,6 +91,7 @@ class FakeVideoRequest:
     seed: int | None = None
     image: object = None
     tenant: str = "default"
+    step_cache: dict | None = None
 
 
 class _Executor:

@@ -66,7 +66,7 @@ def test_models_list_names_tasks(client):
     assert MODEL in models
     entry = models[MODEL].model_dump()
     assert entry["object"] == "model" and entry["owned_by"] == "mmserve"
-    assert set(entry["tasks"]) == {"text-to-image", "image-to-image", "inpainting"}
+    assert set(entry["tasks"]) == {"text-to-image", "image-to-image", "inpainting", "realtime-video"}
 
 
 def test_generate_with_openai_client(client):

@@ -18,13 +18,15 @@ import torch
 from PIL import Image
 
 from encoders.cache import EncoderCache
+from pipelines.families.speedups import DenoiserSpeedups
 from pipelines.request import ImageRequest, RequestError, Task
+from stages.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ImageFamily:
+class ImageFamily(DenoiserSpeedups):
     family: str = ""  # short name used in config and detection ("sd", "sdxl", ...)
     class_names: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads
     pipeline_classes: dict[Task, type] = {}  # diffusers pipelines per task, sharing components
@@ -54,6 +56,8 @@ class ImageFamily:
                 self.pipes[task].set_progress_bar_config(disable=True)
         self.weights_id = f"{self.family}:{path}"  # enters cache identities; a reload gets a new object anyway
         self._vae_lock = threading.Lock()  # the VAE is shared by prepare (encode), previews and decode
+        self.speedups = Speedups()
+        self.denoiser = DenoiserCall(name)  # every speed-up off until `accelerate`
 
     # -- facts the API layer needs --------------------------------------------------------
     @property
@@ -80,8 +84,11 @@ class ImageFamily:
     def validate(self, request: ImageRequest, limits) -> ImageRequest:
         if request.task.value not in self.tasks:
             raise RequestError("model", f"model {self.name} does not support {request.task.value}; it supports {list(self.tasks)}")
-        return request.validate(size_factor=self.size_factor, default_size=self.default_size,
-                                default_steps=self.default_steps, default_guidance=self.default_guidance, limits=limits)
+        request = request.validate(size_factor=self.size_factor, default_size=self.default_size,
+                                   default_steps=self.default_steps, default_guidance=self.default_guidance,
+                                   limits=limits)
+        self.check_step_cache(request.step_cache)
+        return request
 
     # -- per-request objects ----------------------------------------------------------------
     def new_scheduler(self):

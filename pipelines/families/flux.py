@@ -9,6 +9,7 @@ the negative prompt as extra samples of the same forward.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Hashable
 
 import numpy as np
@@ -17,8 +18,11 @@ from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from pipelines.families.base import ImageFamily
+from pipelines.families.speedups import norm1_indicator
 from pipelines.request import ImageRequest, RequestError, Task
+from stages.block_stack import CacheSpec
 from stages.stage import WorkItem
+from stages.step_cache import TEACACHE_COEFFICIENTS
 
 MAX_SEQUENCE_LENGTH = 512  # the pipelines' default and their upper limit
 
@@ -181,30 +185,34 @@ class FluxFamily(ImageFamily):
             pooled.append(cond["pooled"])
             sizes.append(x.shape[0])
         first = items[0]
-        out = self.pipe.transformer(
-            hidden_states=torch.cat(hidden),
-            timestep=torch.cat(timesteps) / 1000,
-            guidance=torch.cat(guidance) if guidance[0] is not None else None,
-            pooled_projections=torch.cat(pooled),
-            encoder_hidden_states=torch.cat(embeds),
-            txt_ids=first.inputs["cond"]["text_ids"],  # 2-D, equal for all items of one key
-            img_ids=first.state["image_ids"],
-            return_dict=False,
-        )[0]
-        return self.split(out, sizes)
+        batched = {"hidden_states": torch.cat(hidden), "timestep": torch.cat(timesteps) / 1000,
+                   "guidance": torch.cat(guidance) if guidance[0] is not None else None,
+                   "pooled_projections": torch.cat(pooled), "encoder_hidden_states": torch.cat(embeds)}
+        # 2-D ids, equal for all items of one key (the latent grid and the T5 length are in it)
+        shared = {"txt_ids": first.inputs["cond"]["text_ids"], "img_ids": first.state["image_ids"]}
+        return self.denoise("transformer", items, sizes, batched, shared)
+
+    # -- speed-ups ----------------------------------------------------------------------------
+    denoiser_keys = ("transformer",)
+
+    def repeated_blocks(self, module) -> tuple:
+        return (*module.transformer_blocks, *module.single_transformer_blocks)
+
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        return CacheSpec(key, self.repeated_blocks(module), encoder="encoder_hidden_states", out_hidden=1,
+                         out_encoder=0, indicator=functools.partial(norm1_indicator, module.transformer_blocks[0]),
+                         coefficients=TEACACHE_COEFFICIENTS["flux"])
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
         s, req = item.state, item.inputs["request"]
-        i, timesteps = s["i"], s["timesteps"]
-        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], self.true_cfg_scale(req))
-        latents = s["scheduler"].step(noise_pred, timesteps[i], s["latents"], return_dict=False)[0]
+        latents = self.scheduler_step(item, model_output, self.true_cfg_scale(req), s["latents"])
         if "mask" in s:
             # Inpainting: keep the unmasked area on the input image's noise path.
             latents = self.keep_unmasked(s, latents, s["mask"],
                                          lambda x, t: s["scheduler"].scale_noise(x, t, s["noise"]))
         s["latents"] = latents
-        s["i"] = i + 1
+        s["i"] += 1
 
     # -- 4. decode ---------------------------------------------------------------------------
     def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:

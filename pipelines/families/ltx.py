@@ -8,6 +8,7 @@ transformer (its RoPE interpolation scale), so it is part of the denoise batch k
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Hashable
 
 import numpy as np
@@ -17,7 +18,9 @@ from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_times
 
 from pipelines.families.video_base import VideoFamily
 from pipelines.video import VideoRequest, VideoTask
+from stages.block_stack import CacheSpec
 from stages.stage import WorkItem
+from stages.step_cache import TEACACHE_COEFFICIENTS
 
 
 class LTXFamily(VideoFamily):
@@ -108,20 +111,31 @@ class LTXFamily(VideoFamily):
             masks.append(cond["mask"])
             sizes.append(rows)
         frames, height, width = items[0].state["grid"]
-        out = self.pipe.transformer(
-            hidden_states=torch.cat(hidden), encoder_hidden_states=torch.cat(embeds), timestep=torch.cat(timesteps),
-            encoder_attention_mask=torch.cat(masks), num_frames=frames, height=height, width=width,
-            rope_interpolation_scale=items[0].state["rope_scale"], return_dict=False)[0]
-        return self.split(out.float(), sizes)
+        batched = {"hidden_states": torch.cat(hidden), "encoder_hidden_states": torch.cat(embeds),
+                   "timestep": torch.cat(timesteps), "encoder_attention_mask": torch.cat(masks)}
+        shared = {"num_frames": frames, "height": height, "width": width,
+                  "rope_interpolation_scale": items[0].state["rope_scale"]}
+        return [out.float() for out in self.denoise("transformer", items, sizes, batched, shared)]
+
+    # -- speed-ups ----------------------------------------------------------------------------
+    denoiser_keys = ("transformer",)
+
+    def repeated_blocks(self, module) -> tuple:
+        return tuple(module.transformer_blocks)
+
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        return CacheSpec(key, self.repeated_blocks(module),
+                         indicator=functools.partial(_modulated_input, module.transformer_blocks[0]),
+                         coefficients=TEACACHE_COEFFICIENTS["ltx"])
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
         s, req = item.state, item.inputs["request"]
         i, t = s["i"], s["timesteps"][s["i"]]
-        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], req.guidance_scale)
         if s["conditioning_mask"] is None:
-            s["latents"] = s["scheduler"].step(noise_pred, t, s["latents"], return_dict=False)[0]
+            s["latents"] = self.scheduler_step(item, model_output, req.guidance_scale, s["latents"])
         else:  # step every latent frame but the first (the reference's)
+            noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], req.guidance_scale)
             pipe, grid = self.pipe, s["grid"]
             p, pt = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
             noise_pred = pipe._unpack_latents(noise_pred, *grid, p, pt)
@@ -143,3 +157,12 @@ class LTXFamily(VideoFamily):
         if vae.config.timestep_conditioning:
             timestep = torch.zeros(latents.shape[0], device=latents.device, dtype=latents.dtype)
         return vae.decode(latents, timestep, return_dict=False)[0]
+
+
+def _modulated_input(block, args: dict) -> torch.Tensor:
+    """TeaCache4LTX-Video's input: block 0's norm1(x) * (1 + scale_msa) + shift_msa."""
+    hidden, temb = args["hidden_states"], args["temb"]
+    n = block.scale_shift_table.shape[0]
+    ada = block.scale_shift_table[None, None].to(temb.device) + temb.reshape(hidden.shape[0], temb.size(1), n, -1)
+    shift_msa, scale_msa = ada[:, :, 0], ada[:, :, 1]
+    return block.norm1(hidden) * (1 + scale_msa) + shift_msa

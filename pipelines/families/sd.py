@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Hashable
 
 import numpy as np
@@ -12,6 +13,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 
 from pipelines.families.base import ImageFamily
 from pipelines.request import ImageRequest, Task
+from stages.block_stack import CacheSpec
 from stages.stage import WorkItem
 
 
@@ -110,11 +112,27 @@ class StableDiffusionFamily(ImageFamily):
             timesteps.append(t.expand(x.shape[0]))  # per-sample timesteps: items sit at different steps
             embeds.append(cond["embeds"])
             tconds.append(s["timestep_cond"])
-        out = self.pipe.unet(
-            torch.cat(inputs), torch.cat(timesteps), encoder_hidden_states=torch.cat(embeds),
-            timestep_cond=torch.cat(tconds) if tconds[0] is not None else None,
-            added_cond_kwargs=self.added_conditions(items), return_dict=False)[0]
-        return self.split(out, [x.shape[0] for x in inputs])
+        batched = {"sample": torch.cat(inputs), "timestep": torch.cat(timesteps),
+                   "encoder_hidden_states": torch.cat(embeds),
+                   "timestep_cond": torch.cat(tconds) if tconds[0] is not None else None,
+                   **(self.added_conditions(items) or {})}
+        return self.denoise("unet", items, [x.shape[0] for x in inputs], batched)
+
+    def call_denoiser(self, key: str, sample, timestep, encoder_hidden_states, timestep_cond=None, text_embeds=None,
+                      time_ids=None) -> torch.Tensor:
+        added = None if text_embeds is None else {"text_embeds": text_embeds, "time_ids": time_ids}
+        return self.pipe.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states,
+                              timestep_cond=timestep_cond, added_cond_kwargs=added, return_dict=False)[0]
+
+    # -- speed-ups ----------------------------------------------------------------------------
+    def compile_regions(self, module) -> tuple:
+        return (*module.down_blocks, module.mid_block, *module.up_blocks)
+
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        # Model level: a skipped step reuses the UNet's noise prediction (skip connections leave no
+        # single residual stream to cache); TeaCache's input is the UNet's first timestep-modulated features.
+        return CacheSpec(key, (module,), hidden="sample", out_hidden=0, residual=False,
+                         indicator=functools.partial(unet_indicator, module))
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
@@ -134,3 +152,13 @@ class StableDiffusionFamily(ImageFamily):
         vae = self.pipe.vae
         image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
         return self.postprocess(image)
+
+
+def unet_indicator(unet, args: dict[str, Any]) -> torch.Tensor:
+    """conv_in(sample) shifted by the first resnet's timestep projection: what the first block sees
+    change from step to step (TeaCache's "timestep-modulated input" for a UNet)."""
+    sample, timestep = args["sample"], args["timestep"]
+    t_emb = unet.time_proj(timestep.expand(sample.shape[0])).to(sample.dtype)
+    emb = unet.time_embedding(t_emb, args.get("timestep_cond"))
+    resnet = unet.down_blocks[0].resnets[0]
+    return unet.conv_in(sample) + resnet.time_emb_proj(torch.nn.functional.silu(emb))[:, :, None, None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Hashable
 
 import numpy as np
@@ -11,7 +12,9 @@ from diffusers import (StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintP
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 
 from pipelines.families.base import ImageFamily
+from pipelines.families.speedups import norm1_indicator
 from pipelines.request import ImageRequest, RequestError, Task
+from stages.block_stack import CacheSpec
 from stages.stage import WorkItem
 
 MAX_SEQUENCE_LENGTH = 256  # diffusers' default length of the T5 part of the joint-attention text
@@ -176,17 +179,26 @@ class StableDiffusion3Family(ImageFamily):
             timesteps.append(t.expand(x.shape[0]))  # per-sample timesteps: items sit at different steps
             embeds.append(cond["embeds"])
             pooled.append(cond["pooled"])
-        out = self.pipe.transformer(
-            hidden_states=torch.cat(inputs), timestep=torch.cat(timesteps), encoder_hidden_states=torch.cat(embeds),
-            pooled_projections=torch.cat(pooled), return_dict=False)[0]
-        return self.split(out, [x.shape[0] for x in inputs])
+        batched = {"hidden_states": torch.cat(inputs), "timestep": torch.cat(timesteps),
+                   "encoder_hidden_states": torch.cat(embeds), "pooled_projections": torch.cat(pooled)}
+        return self.denoise("transformer", items, [x.shape[0] for x in inputs], batched)
+
+    # -- speed-ups ----------------------------------------------------------------------------
+    denoiser_keys = ("transformer",)
+
+    def repeated_blocks(self, module) -> tuple:
+        return tuple(module.transformer_blocks)
+
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        # No published TeaCache polynomial for SD3: the raw relative change (identity).
+        return CacheSpec(key, self.repeated_blocks(module), encoder="encoder_hidden_states", out_hidden=1,
+                         out_encoder=0, indicator=functools.partial(norm1_indicator, module.transformer_blocks[0]))
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
         s, req = item.state, item.inputs["request"]
-        i, timesteps, scheduler = s["i"], s["timesteps"], s["scheduler"]
-        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], req.guidance_scale)
-        latents = scheduler.step(noise_pred, timesteps[i], s["latents"], return_dict=False)[0]
+        i, scheduler = s["i"], s["scheduler"]
+        latents = self.scheduler_step(item, model_output, req.guidance_scale, s["latents"])
         if s.get("image_latents") is not None:
             # Inpainting with a plain (16-channel) transformer: keep the unmasked area on the input
             # image's noise path (scale_noise reads the scheduler's current step index).

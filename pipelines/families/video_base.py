@@ -19,6 +19,7 @@ from encoders.cache import EncoderCache
 from pipelines.families.base import DTYPES, ImageFamily
 from pipelines.request import RequestError
 from pipelines.video import VideoConfig, VideoRequest, VideoTask
+from stages.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
 
 
@@ -58,6 +59,8 @@ class VideoFamily(ImageFamily):
             base.vae.enable_slicing()
         self.weights_id = f"{self.family}:{path}"
         self._vae_lock = threading.Lock()
+        self.speedups = Speedups()
+        self.denoiser = DenoiserCall(name)
 
     def extra_variants(self, base) -> dict[VideoTask, type]:
         """Pipelines a checkpoint serves beyond its class's (decided by its config)."""
@@ -90,11 +93,13 @@ class VideoFamily(ImageFamily):
     def validate(self, request, limits=None) -> VideoRequest:
         if not isinstance(request, VideoRequest):
             raise RequestError("model", f"model {self.name} makes videos ({list(self.tasks)}); use /v1/videos")
-        return request.validate(tasks=self.tasks, model=self.name, size_factor=self.size_factor,
-                                frame_factor=self.frame_factor, default_size=self.request_default_size,
-                                default_frames=self.request_default_frames, default_fps=self.default_fps,
-                                default_steps=self.default_steps, default_guidance=self.default_guidance,
-                                limits=self.video.limits)
+        request = request.validate(tasks=self.tasks, model=self.name, size_factor=self.size_factor,
+                                   frame_factor=self.frame_factor, default_size=self.request_default_size,
+                                   default_frames=self.request_default_frames, default_fps=self.default_fps,
+                                   default_steps=self.default_steps, default_guidance=self.default_guidance,
+                                   limits=self.video.limits)
+        self.check_step_cache(request.step_cache)
+        return request
 
     def begin(self, item: WorkItem):
         req: VideoRequest = item.inputs["request"]

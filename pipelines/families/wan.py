@@ -21,7 +21,9 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from pipelines.families.video_base import VideoFamily
 from pipelines.video import VideoRequest, VideoTask
+from stages.block_stack import CacheSpec
 from stages.stage import WorkItem
+from stages.step_cache import TEACACHE_COEFFICIENTS
 
 
 class WanFamily(VideoFamily):
@@ -144,12 +146,24 @@ class WanFamily(VideoFamily):
             if s["image_embeds"] is not None:
                 image_embeds.append(torch.cat([s["image_embeds"]] * rows))
             sizes.append(rows)
-        model = getattr(self.pipe, self._stage_model(items[0]))
-        out = model(hidden_states=torch.cat(hidden), timestep=torch.cat(timesteps),
-                    encoder_hidden_states=torch.cat(embeds),
-                    encoder_hidden_states_image=torch.cat(image_embeds) if image_embeds else None,
-                    return_dict=False)[0]
-        return self.split(out, sizes)
+        batched = {"hidden_states": torch.cat(hidden), "timestep": torch.cat(timesteps),
+                   "encoder_hidden_states": torch.cat(embeds),
+                   "encoder_hidden_states_image": torch.cat(image_embeds) if image_embeds else None}
+        return self.denoise(self._stage_model(items[0]), items, sizes, batched)
+
+    # -- speed-ups ----------------------------------------------------------------------------
+    denoiser_keys = ("transformer", "transformer_2")  # Wan 2.2: the low-noise expert is a second stack
+
+    def repeated_blocks(self, module) -> tuple:
+        return tuple(module.blocks)
+
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        # TeaCache4Wan2.1's "ret steps" mode: the indicator is the timestep projection e0 (the blocks'
+        # temb), the first five steps always run; the polynomial follows the model size (1.3B: dim 1536).
+        dim = module.config.num_attention_heads * module.config.attention_head_dim
+        coefficients = TEACACHE_COEFFICIENTS["wan-1.3b" if dim <= 1536 else "wan-14b"]
+        return CacheSpec(key, self.repeated_blocks(module), indicator=_timestep_projection, coefficients=coefficients,
+                         first_steps=5)
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
@@ -170,3 +184,7 @@ class WanFamily(VideoFamily):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
                                                                                                      latents.dtype)
         return vae.decode(latents / inv_std + mean, return_dict=False)[0]
+
+
+def _timestep_projection(args: dict) -> torch.Tensor:
+    return args["temb"]

@@ -30,6 +30,7 @@ class PagedMetadata:
     context_lens: torch.Tensor  # [B] cached tokens per sequence, this step's included
     block_tables: torch.Tensor  # [B, max_blocks]
     all_decode: bool  # every sequence feeds exactly one token
+    slots_valid: bool = False  # no -1 slot: the KV write needs no filter (graph replay: padding uses a scratch slot)
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -39,7 +40,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     layer = module.layer_idx
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), meta.k_caches[layer], meta.v_caches[layer],
-             meta.slot_mapping)
+             meta.slot_mapping, all_valid=meta.slots_valid)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if meta.all_decode and sliding_window is None and softcap is None:
         out = decode_attention(q, meta.k_caches[layer], meta.v_caches[layer], meta.block_tables, meta.context_lens,

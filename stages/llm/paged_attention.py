@@ -44,6 +44,8 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int, -1 = padding row, not written
+    *,
+    all_valid: bool = False,  # the caller guarantees no -1: skip the filter (it syncs, so no graph could hold it)
 ) -> None:
     """Store this step's keys and values in their physical slots, in place."""
     _check_cache(k_cache, v_cache)
@@ -59,9 +61,10 @@ def write_kv(
     k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
-    keep = slots >= 0
-    # Boolean indexing syncs on CUDA; padding rows are rare enough that clarity wins here.
-    slots, key, value = slots[keep], key[keep], value[keep]
+    if not all_valid:
+        keep = slots >= 0
+        # Boolean indexing syncs on CUDA; padding rows are rare enough that clarity wins here.
+        slots, key, value = slots[keep], key[keep], value[keep]
     k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
     v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
 
@@ -115,7 +118,7 @@ def paged_attention_reference(
     for b in range(num_seqs):
         q_start, q_end, ctx = starts[b], starts[b + 1], lens[b]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or ctx == 0 and q_len == 1:  # no rows, or a padding row (graph buckets): zeros, as the kernel
             continue
         if not 0 < q_len <= ctx:
             raise ValueError(

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
+from stages.graph_metrics import GraphObserver
+from stages.graph_runner import GraphConfig, GraphRunner
 from stages.llm import attention
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
@@ -35,9 +37,11 @@ class KVShape:
 class ModelRunner:
     def __init__(self, path: str, *, device: str = "cpu", dtype: str = "float32", block_size: int = 16,
                  kv_cache_mb: float = 256, num_blocks: int | None = None, model=None, decoder=None,
-                 mrope: bool = False):
+                 mrope: bool = False, graphs: GraphConfig = GraphConfig(), observer: GraphObserver | None = None,
+                 name: str = "llm"):
         """`model`: an already-loaded model whose language part uses the paged attention (a VLM), with
-        `decoder` its language model (embeddings in, hidden states out); `mrope`: 3-D positions."""
+        `decoder` its language model (embeddings in, hidden states out); `mrope`: 3-D positions.
+        `graphs`: decode row buckets replayed from graphs captured by `capture_graphs` (plain LMs)."""
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         if model is None:
@@ -56,12 +60,21 @@ class ModelRunner:
                           block_size=block_size, dtype=self.dtype)
         # Sized from the memory budget unless given: the block count is a start-up measurement.
         self.num_blocks = num_blocks or max(1, int(kv_cache_mb * 2**20) // self.kv.block_bytes)
-        shape = (self.num_blocks, block_size, self.kv.num_kv_heads, self.kv.head_dim)
+        # With graphs, one extra block that no sequence owns: padding rows of a bucket write their K/V there.
+        scratch = 1 if graphs.enabled and not mrope and decoder is None else 0
+        shape = (self.num_blocks + scratch, block_size, self.kv.num_kv_heads, self.kv.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv.num_layers)]
         self.max_context = getattr(config, "max_position_embeddings", None) or 2048
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.hidden_size = config.hidden_size
+        self.decode_graphs = None
+        if scratch:
+            self.table_width = -(-self.max_context // block_size)  # static block-table columns
+            pads = {"input_ids": 0, "positions": 0, "slot_mapping": self.num_blocks * block_size, "context_lens": 0,
+                    "block_tables": 0}
+            self.decode_graphs = GraphRunner(f"{name}/decode", self._decode_forward, graphs, pad_values=pads,
+                                             observer=observer)
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> torch.Tensor:
@@ -70,6 +83,9 @@ class ModelRunner:
             for cache in (*self.k_caches, *self.v_caches):
                 cache[dst].copy_(cache[src])
         chunks = plan.chunks
+        if self.decode_graphs is not None and all(len(c.token_ids) == 1 and c.sample and not c.seq.media
+                                                  for c in chunks):
+            return self.decode_graphs(self._decode_inputs(chunks))
         dev = self.device
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=dev)
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.context_len)], dtype=torch.long,
@@ -107,3 +123,42 @@ class ModelRunner:
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    # -- decode through the graph runner ------------------------------------------------------
+    def _decode_inputs(self, chunks) -> dict[str, torch.Tensor]:
+        """One row per sequence; block tables padded to the static width."""
+        dev = self.device
+        tables = torch.zeros(len(chunks), self.table_width, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.long)
+        return {"input_ids": torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long, device=dev),
+                "positions": torch.tensor([c.start for c in chunks], dtype=torch.long, device=dev),
+                "slot_mapping": torch.tensor([c.slots[0] for c in chunks], dtype=torch.long, device=dev),
+                "context_lens": torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=dev),
+                "block_tables": tables.to(dev)}
+
+    def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
+        """A pure-decode step over static inputs (what a graph captures): float32 logits [rows, V]."""
+        rows = input_ids.shape[0]
+        meta = attention.PagedMetadata(
+            k_caches=self.k_caches, v_caches=self.v_caches, slot_mapping=slot_mapping,
+            query_start_loc=torch.arange(rows + 1, dtype=torch.long, device=input_ids.device),
+            context_lens=context_lens, block_tables=block_tables, all_decode=True, slots_valid=True)
+        hidden = self.decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                              paged=meta).last_hidden_state[0]  # [rows, H]
+        logits = self.model.get_output_embeddings()(hidden).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Warm-up: capture every decode bucket from one padding row, then seal (no capture while serving)."""
+        if self.decode_graphs is None or self.decode_graphs.sealed:
+            return
+        pads = self.decode_graphs.pad_values
+        row = {name: torch.full((1,), value, dtype=torch.long, device=self.device) for name, value in pads.items()
+               if name != "block_tables"}
+        row["block_tables"] = torch.zeros(1, self.table_width, dtype=torch.long, device=self.device)
+        self.decode_graphs(row)
+        self.decode_graphs.seal()
+

@@ -1,0 +1,121 @@
+"""The denoiser forward of every family behind its speed-ups (DESIGN §5, §8): what a family declares
+(its denoisers, their repeated blocks, how step caching cuts them) and the calls its steps make."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from pipelines.request import RequestError
+from stages.block_stack import CacheSpec, RowGroup
+from stages.denoiser import DenoiserCall, Speedups
+from stages.stage import WorkItem
+from stages.step_cache import StepCacheState
+
+
+class DenoiserSpeedups:
+    """Mixed into ImageFamily: `self.pipe`, `self.name`, `self.family`, `guide` and `split` come from there."""
+
+    denoiser_keys: tuple[str, ...] = ("unet",)  # the pipeline attributes holding denoisers
+
+    def accelerate(self, speedups: Speedups, metrics=None) -> None:
+        """At load: fused norms, regional compile and step-cache wrappers on each denoiser; graphs per config."""
+        self.speedups = speedups
+        self.denoiser = DenoiserCall(self.name, graphs=speedups.graphs, compile=speedups.compile,
+                                     step_cache=speedups.step_cache, metrics=metrics)
+        for key in self.denoiser_keys:
+            module = getattr(self.pipe, key, None)
+            if module is None:
+                continue
+            if speedups.fused_kernels:
+                from stages.kernels.patch import use_fused_norms
+
+                use_fused_norms(module)
+            self.denoiser.prepare(key, self.compile_regions(module), self.cache_spec(key, module))
+
+    def repeated_blocks(self, module) -> tuple:
+        """The denoiser's repeated blocks in call order (a DiT's transformer blocks)."""
+        return ()
+
+    def compile_regions(self, module) -> tuple:
+        """What regional compile compiles: the repeated blocks (a UNet's down, mid and up blocks)."""
+        return self.repeated_blocks(module)
+
+    def cache_spec(self, key: str, module) -> CacheSpec | None:
+        """How step caching cuts this denoiser; None: the family does not cache."""
+        return None
+
+    def check_step_cache(self, params) -> None:
+        """A request's step cache needs a model that allows it (and first-block caching a block stack)."""
+        if params is None:
+            return
+        if not self.speedups.step_cache.enabled:
+            raise RequestError("step_cache", f"model {self.name} does not allow step caching (approximate); enable "
+                                             "it per model with step_cache = {enabled = true}")
+        stacks = [self.denoiser.stacks.get(k) for k in self.denoiser_keys if getattr(self.pipe, k, None) is not None]
+        if not stacks or any(s is None for s in stacks):
+            raise RequestError("step_cache", f"model {self.name} ({self.family}) has no step cache")
+        if params.method == "fbcache" and not all(s.supports_fbcache for s in stacks):
+            raise RequestError("step_cache.method", f"fbcache needs a transformer of at least two blocks; model "
+                                                    f"{self.name} ({self.family}) supports teacache and interval")
+
+    def denoise(self, key: str, items: list[WorkItem], sizes: list[int], batched: dict[str, Any],
+                shared: dict[str, Any] | None = None) -> list[torch.Tensor]:
+        """One batched denoiser forward through the speed-ups; split back per item."""
+        fn = functools.partial(self.call_denoiser, key)
+        out = self.denoiser(key, fn, batched, shared or {}, self.row_groups(items, sizes))
+        return self.split(out, sizes)
+
+    def call_denoiser(self, key: str, **inputs) -> torch.Tensor:
+        """The denoiser `key` on one batch of inputs -> its output tensor (what graphs capture)."""
+        return getattr(self.pipe, key)(**inputs, return_dict=False)[0]
+
+    @staticmethod
+    def row_groups(items: list[WorkItem], sizes: list[int]) -> list[RowGroup]:
+        """Rows per item and, for step-cached requests, per CFG branch ([uncond x n, cond x n])."""
+        groups, start = [], 0
+        for item, rows in zip(items, sizes, strict=True):
+            s = item.state
+            params = getattr(item.inputs["request"], "step_cache", None)
+            if params is None:
+                groups.append(RowGroup(start, start + rows, None, 0, s["i"], s["total"]))
+            else:
+                state = s.get("step_cache")
+                if state is None:
+                    state = s["step_cache"] = StepCacheState.new(params, 2 if item.inputs["cond"]["cfg"] else 1)
+                per = rows // len(state.branches)
+                groups += [RowGroup(start + b * per, start + (b + 1) * per, state, b, s["i"], s["total"])
+                           for b in range(len(state.branches))]
+            start += rows
+        return groups
+
+    def scheduler_step(self, item: WorkItem, model_output: torch.Tensor, scale: float, latents: torch.Tensor):
+        """Guidance and the scheduler step; a plain flow-matching Euler step runs as one fused kernel when
+        `fused_kernels` is on (the same math in float32)."""
+        s, cfg = item.state, item.inputs["cond"]["cfg"]
+        scheduler, t = s["scheduler"], s["timesteps"][s["i"]]
+        if self.speedups.fused_kernels and _plain_flow_match(scheduler):
+            from stages.kernels.cfg_step import cfg_euler_step
+
+            if scheduler.step_index is None:
+                scheduler._init_step_index(t)
+            i = scheduler.step_index
+            uncond, cond = model_output.chunk(2) if cfg else (None, model_output)
+            latents = cfg_euler_step(latents, cond, uncond, scale, float(scheduler.sigmas[i + 1] - scheduler.sigmas[i]))
+            scheduler._step_index += 1  # as FlowMatchEulerDiscreteScheduler.step advances it
+            return latents
+        noise_pred = self.guide(model_output, cfg, scale)
+        return scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+
+
+def norm1_indicator(block, args: dict) -> torch.Tensor:
+    """TeaCache's input for MMDiT blocks (Flux, SD3): the first block's adaLN-modulated, normalised image tokens."""
+    return block.norm1(args["hidden_states"], emb=args["temb"])[0]
+
+
+def _plain_flow_match(scheduler) -> bool:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return type(scheduler) is FlowMatchEulerDiscreteScheduler and not scheduler.config.stochastic_sampling
