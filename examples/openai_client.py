@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 
 from openai import OpenAI
@@ -72,6 +73,27 @@ def main() -> None:
         if asr:
             text = client.audio.transcriptions.create(model=asr, file=("hello.wav", audio, "audio/wav"))
             print("transcription:", repr(text.text))
+
+    # A realtime voice session (WS /v1/realtime) through the SDK's realtime client: a typed question, a spoken answer.
+    if "voice-demo" in served:
+        print("voice:", asyncio.run(voice_turn(args.base_url, args.api_key)))
+
+
+async def voice_turn(base_url: str, api_key: str) -> str:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key).realtime.connect(model="voice-demo") as conn:
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Hello!"}]})
+        await conn.response.create()
+        audio = 0
+        async for event in conn:
+            if event.type == "response.output_audio.delta":
+                audio += len(base64.b64decode(event.delta))
+            elif event.type == "response.done":
+                return f"{event.response.status}, {audio // 2 / 24000:.2f} s of 24 kHz pcm16 audio"
+        return "the session ended early"
 
 
 if __name__ == "__main__":

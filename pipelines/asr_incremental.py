@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipelines.asr import SAMPLE_RATE, TranscriptionRequest
+from stages.events import StageError
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,16 @@ class IncrementalTranscriber:
         self._samples = 0  # its length
         self._decoded_at = 0  # buffer length at the last partial
         self._start_s = 0.0  # where the utterance starts in the session
+        self._handle = None  # the decode in flight (abort() cancels it)
+        self._abort = False
 
     @property
     def buffered_s(self) -> float:
         return self._samples / SAMPLE_RATE
 
-    async def feed(self, samples: np.ndarray) -> list[Hypothesis]:
-        """Add audio; returns the hypotheses it made due: a partial, and a final one if the utterance grew too long."""
+    async def feed(self, samples: np.ndarray, partial: bool = True) -> list[Hypothesis]:
+        """Add audio; returns the hypotheses it made due: a partial, and a final one if the utterance grew too long.
+        `partial=False` decodes no partial now (the caller knows more audio or the endpoint follows at once)."""
         out: list[Hypothesis] = []
         samples = np.asarray(samples, dtype=np.float32).reshape(-1)
         limit = int(self.max_utterance_s * SAMPLE_RATE)
@@ -68,9 +72,15 @@ class IncrementalTranscriber:
             self._samples += len(take)
             if self._samples >= limit:
                 out.append(await self.endpoint())
-        if self._samples - self._decoded_at >= self.partial_every_s * SAMPLE_RATE:
+        if partial and self._samples - self._decoded_at >= self.partial_every_s * SAMPLE_RATE:
             self._decoded_at = self._samples
-            out.append(Hypothesis(await self._transcribe(), False, self._start_s, self.buffered_s))
+            try:
+                text = await self._transcribe(abortable=True)
+            except StageError as exc:
+                if exc.code != "cancelled" or not self._abort:
+                    raise
+                return out  # abort(): no partial this time
+            out.append(Hypothesis(text, False, self._start_s, self.buffered_s))
         return out
 
     async def endpoint(self) -> Hypothesis:
@@ -81,8 +91,25 @@ class IncrementalTranscriber:
         self._chunks, self._samples, self._decoded_at = [], 0, 0
         return final
 
-    async def _transcribe(self) -> str:
+    def abort(self) -> None:
+        """Cancel the partial decode in flight (nobody needs it any more, e.g. because the endpoint has come):
+        the `feed` awaiting it returns without that partial; the audio stays in the utterance."""
+        self._abort = True
+        if self._handle is not None:
+            self._handle.cancel()
+
+    async def _transcribe(self, abortable: bool = False) -> str:
+        """Decode the utterance so far; only a partial's decode (`abortable`) can be aborted."""
         audio = np.concatenate(self._chunks)
         request = TranscriptionRequest(audio, language=self.language, prompt=self.prompt)
+        self._abort = False
         handle = await asyncio.to_thread(self.engine.submit_transcription, self.model, request)
-        return (await handle.aresult())["text"]
+        if not abortable:
+            return (await handle.aresult())["text"]
+        if self._abort:  # abort() came while the request was being submitted
+            handle.cancel()
+        self._handle = handle
+        try:
+            return (await handle.aresult())["text"]
+        finally:
+            self._handle = None

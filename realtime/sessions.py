@@ -22,7 +22,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from pipelines.config import RealtimeConfig
+
 log = logging.getLogger(__name__)
+CLOSE_NORMAL = 1000  # the client closing with this ends its session; any other drop keeps it for a resume
+CLOSE_POLICY = 1008  # refused: unknown model, bad key
+CLOSE_TRY_AGAIN = 1013  # refused at capacity / not ready
+REAP_INTERVAL_S = 1.0
 
 Payload = str | bytes  # a text frame (one JSON event) or a binary frame
 Sender = Callable[[Payload], Awaitable[None]]
@@ -80,9 +86,16 @@ class Outbox:
     def attached(self) -> bool:
         return self._sender is not None
 
-    async def emit(self, event: dict[str, Any]) -> int:
-        """Send one JSON event (a text frame); it gets `server_event_seq`. Returns the number."""
+    async def emit(self, event: dict[str, Any], guard: Callable[[], bool] | None = None) -> int | None:
+        """Send one JSON event (a text frame); it gets `server_event_seq`. Returns the number.
+
+        `guard` is the generation fence: it runs under the lock just before the event is numbered, and
+        False drops the event (None is returned). Because every frame goes through this lock in order, a
+        guard that checks a session epoch sees every bump made before the frame's turn came; it may also
+        record bookkeeping (and edit `event`) for a frame it lets through."""
         async with self._lock:
+            if guard is not None and not guard():
+                return None
             seq = self.journal.next_seq()
             event["server_event_seq"] = seq
             frame = json.dumps(event, separators=(",", ":"))
@@ -156,6 +169,19 @@ def unpack_frame(frame: bytes, max_header_bytes: int = 64 << 10) -> tuple[dict[s
     if not isinstance(header, dict):
         raise ValueError("the frame header must be a JSON object")
     return header, frame[4 + size:]
+
+
+class SessionSocket(Protocol):
+    """What the serving layer hands a connection: a WebSocket reduced to three calls."""
+
+    close_code: int | None  # the client's close code, once receive() said it has gone
+
+    async def receive(self) -> str | bytes | None:
+        """The next text or binary frame; None once the client has gone."""
+
+    async def send(self, frame: str | bytes) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
 
 
 class Session(Protocol):
@@ -262,3 +288,19 @@ class SessionRegistry:
     async def close_all(self, reason: str = "server_shutdown") -> None:
         for sid in list(self._sessions):
             await self.remove(sid, reason)
+
+
+def registry_for(kind: str, config: RealtimeConfig | None) -> SessionRegistry:
+    """The `kind` ("voice" or "video") sessions of one server, limited by `[realtime]` (None: the defaults)."""
+    config = config or RealtimeConfig()
+    return SessionRegistry(kind, getattr(config, f"max_{kind}_sessions"), resume_grace_s=config.resume_grace_s,
+                           idle_timeout_s=config.idle_timeout_s, max_duration_s=config.max_duration_s)
+
+
+async def reap_until_empty(registry: SessionRegistry, gauge, interval_s: float = REAP_INTERVAL_S) -> None:
+    """Close sessions past their grace period, idle timeout or maximum duration, keeping `gauge` (a Prometheus
+    gauge of live sessions) in step; ends when none is left."""
+    while len(registry):
+        await asyncio.sleep(interval_s)
+        await registry.reap()
+        gauge.set(len(registry))

@@ -15,11 +15,13 @@ from fastapi import FastAPI
 
 from serve import routes_chat, routes_embeddings, routes_images, routes_speech, routes_system
 from serve import routes_batches, routes_transcriptions, routes_videos
+from serve import routes_realtime, routes_realtime_video
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
 from serve.job_runner import JobPolicy, JobRunner
 from serve.jobs import JobStore
 from serve.metrics import RequestCounter
+from realtime.sessions import registry_for
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits
 
@@ -39,6 +41,8 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
             yield
         finally:
             await app.state.job_runner.stop()
+            await app.state.video_sessions.close_all()
+            await app.state.voice_sessions.close_all()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan,
                   description="Multimodal and diffusion pipeline server with OpenAI-compatible endpoints.")
@@ -49,6 +53,9 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.state.created = int(time.time())  # the `created` of every model object
     app.state.job_store = JobStore(data_dir if data_dir is not None else tempfile.mkdtemp(prefix="mmserve-jobs-"))
     app.state.job_runner = JobRunner(app.state.job_store, engine, app, job_policy or JobPolicy())
+    realtime = getattr(getattr(engine, "config", None), "realtime", None)  # None: a test's stand-in engine
+    app.state.video_sessions = registry_for("video", realtime)
+    app.state.voice_sessions = registry_for("voice", realtime)
     app.include_router(routes_chat.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_images.router)
@@ -57,6 +64,8 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.include_router(routes_system.router)
     app.include_router(routes_videos.router)
     app.include_router(routes_batches.router)
+    app.include_router(routes_realtime_video.router)
+    app.include_router(routes_realtime.router)
     install_error_handlers(app)
     app.add_middleware(RequestCounter, counter=engine.metrics.requests)
     return app

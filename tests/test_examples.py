@@ -55,6 +55,16 @@ def test_make_serve_answers_the_openai_client(tmp_path):
         assert "video job: completed" in run.stdout, run.stdout
         for line in ("chat:", "image chat:", "embeddings:", "speech:", "transcription:"):
             assert line in run.stdout, run.stdout
+        voice = re.search(r"voice: (\w+), ([0-9.]+) s of 24 kHz pcm16 audio", run.stdout)  # a realtime voice turn
+        assert voice and voice[1] in ("completed", "incomplete") and float(voice[2]) > 0, run.stdout
+        video = subprocess.run([sys.executable, "examples/realtime_video_client.py", "--url",
+                                f"ws://127.0.0.1:{port}/v1/realtime/video", "--frames", "4"],
+                               cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert video.returncode == 0, video.stderr
+        outputs = re.search(r"(\d+) frames out \(seq \[([0-9, ]*)\]\)", video.stdout)
+        assert outputs and int(outputs[1]) >= 1, video.stdout  # newer frames may supersede older ones
+        seqs = [int(s) for s in outputs[2].split(",")]
+        assert seqs == sorted(seqs) and seqs[-1] == 3, video.stdout  # in order; the newest frame is never dropped
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
@@ -111,3 +121,26 @@ def test_video_benchmark_script_prints_ratios(tmp_path):
     assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert re.search(r"vae decode .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert "denoise batch sizes reached: <=" in run.stdout
+
+
+def test_speed_benchmarks_run_tiny_on_the_cpu(tmp_path):
+    """The GPU benchmarks' --tiny modes (tiny demo models, CPU) and the step-cache benchmark print their ratios."""
+    runs = {
+        "bench_step_cache.py": ["--tiny", "--family", "flux"],
+        "bench_kernels.py": ["--tiny"],
+        "bench_gpu_llm.py": ["--tiny", "--out", str(tmp_path)],
+        "bench_gpu_diffusion.py": ["--tiny", "--out", str(tmp_path), "--models", "sd15",
+                                   "--variants", "eager,graphs,cache", "--concurrency", "2", "--repeats", "1"],
+    }
+    out = {}
+    for script, args in runs.items():
+        run = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=REPO, env=ENV, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, f"{script}\n{run.stderr[-3000:]}"
+        out[script] = run.stdout
+    assert re.search(r"teacache, threshold=0\.3 +ratio \d+\.\d+x", out["bench_step_cache.py"]), out["bench_step_cache.py"]
+    assert len(re.findall(r"ratio \d+\.\d+x", out["bench_kernels.py"])) == 6
+    assert re.search(r"batch +4: .* ratio \d+\.\d+x", out["bench_gpu_llm.py"]), out["bench_gpu_llm.py"]
+    text = out["bench_gpu_diffusion.py"]
+    assert re.search(r"mmserve graphs +\d+\.\d+ s +ratio \d+\.\d+x", text), text
+    assert re.search(r"throughput 2 concurrent: .* ratio \d+\.\d+x", text), text

@@ -1,0 +1,212 @@
+"""A voice session's speech-recognition lane: user audio in, transcription deltas and final transcripts out.
+
+The lane runs beside the session's mailbox so that a decode (a few hundred ms of CPU for Whisper
+tiny) never holds up voice activity detection: barge-in must not wait for ASR. Work is applied in
+order; audio that queued up behind a decode is fed at once, and no partial is decoded for audio
+whose utterance is already over (the final decode covers it): the endpoint is not kept waiting.
+
+Partials become `...input_audio_transcription.delta` events only while they agree with what was
+sent: a delta is the words past the text already sent, the last word of a partial held back (it
+may be cut mid-word), and nothing when a re-decode revised earlier words. `...completed` carries
+the final transcript, which is what the response is built from (the LLM starts on a stable
+transcript, book ch.21).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipelines.asr_incremental import IncrementalTranscriber
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Op:
+    kind: str  # "audio" (samples), "endpoint" (the utterance is over), "oneshot" (a whole item's audio)
+    generation: int  # the lane's generation when queued; ops of an older one are dropped
+    item_id: str
+    samples: np.ndarray | None = None
+    partials: bool = True  # audio: partial hypotheses may be decoded for it
+
+
+class TranscriptSink:
+    """What the lane calls back into (the session's events)."""
+
+    async def transcript_delta(self, item_id: str, delta: str) -> None: ...
+
+    async def transcript_done(self, item_id: str, text: str, audio_s: float) -> None: ...
+
+    async def transcript_failed(self, item_id: str, code: str, message: str) -> None: ...
+
+
+class AsrLane:
+    def __init__(self, make_transcriber: Callable[[], IncrementalTranscriber], sink: TranscriptSink):
+        self.make_transcriber = make_transcriber
+        self.transcriber = make_transcriber()  # the utterance in progress
+        self.sink = sink
+        self.generation = 0
+        self._applied_generation = 0  # the generation whose audio the transcriber holds
+        self._ops: asyncio.Queue[_Op] = asyncio.Queue()
+        self._finals: dict[str, asyncio.Future] = {}  # item id -> final transcript
+        self._parts: dict[str, list[str]] = {}  # item id -> finals of its earlier utterances (forced at 28 s)
+        self._sent: dict[str, list[str]] = {}  # item id -> words sent as deltas
+        self._audio_s: dict[str, float] = {}
+        self._endpoints_queued = 0
+        self._endpoint_waiting = asyncio.Event()  # set while an endpoint is queued: a partial in flight is aborted
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="voice-asr")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for future in self._finals.values():
+            if not future.done():
+                future.set_result("")
+
+    def final(self, item_id: str) -> asyncio.Future:
+        """Resolves to the item's final transcript ("" when it failed or the audio was cleared)."""
+        if item_id not in self._finals:
+            self._finals[item_id] = asyncio.get_running_loop().create_future()
+        return self._finals[item_id]
+
+    def audio(self, item_id: str, samples: np.ndarray, partials: bool = True) -> None:
+        if len(samples):
+            self._ops.put_nowait(_Op("audio", self.generation, item_id, samples, partials))
+
+    def endpoint(self, item_id: str) -> None:
+        self.final(item_id)
+        self._ops.put_nowait(_Op("endpoint", self.generation, item_id))
+        self._endpoints_queued += 1
+        self._endpoint_waiting.set()
+
+    def oneshot(self, item_id: str, samples: np.ndarray) -> None:
+        """Transcribe a whole item (conversation.item.create with input audio): its own utterance."""
+        self.final(item_id)
+        self._ops.put_nowait(_Op("oneshot", self.generation, item_id, samples))
+
+    def clear(self, item_id: str | None) -> None:
+        """Forget queued audio (input_audio_buffer.clear); the item, if any, resolves to ""."""
+        self.generation += 1
+        if item_id is not None:
+            future = self.final(item_id)
+            if not future.done():
+                future.set_result("")
+
+    async def idle(self) -> None:
+        """Wait until every queued op has been applied (tests, benchmarks)."""
+        await self._ops.join()
+
+    async def _run(self) -> None:
+        while True:
+            op = await self._ops.get()
+            ops = [op]
+            while not self._ops.empty():  # what queued up behind the last decode
+                ops.append(self._ops.get_nowait())
+            try:
+                await self._apply(ops)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a failed decode fails the item, not the session
+                log.warning("voice asr failed: %s", exc)
+                self.transcriber = self.make_transcriber()  # whatever it held is lost with the item
+                for item_id in {o.item_id for o in ops if o.kind in ("endpoint", "oneshot")}:
+                    await self._fail(item_id, exc)
+            finally:
+                for _ in ops:
+                    self._ops.task_done()
+
+    async def _apply(self, ops: list[_Op]) -> None:
+        for i, op in enumerate(ops):
+            if op.kind == "endpoint":
+                self._endpoints_queued -= 1
+                if not self._endpoints_queued:
+                    self._endpoint_waiting.clear()
+            if op.generation != self.generation:
+                continue
+            if op.generation != self._applied_generation:  # the input buffer was cleared: drop what it held
+                self.transcriber, self._applied_generation = self.make_transcriber(), op.generation
+            if op.kind == "audio":
+                ends_soon = any(o.kind == "endpoint" and o.item_id == op.item_id for o in ops[i + 1:])
+                later_audio = any(o.kind == "audio" and o.item_id == op.item_id for o in ops[i + 1:])
+                if op.partials and not (ends_soon or later_audio):
+                    hypotheses = await self._feed_partial(op.samples)
+                else:
+                    hypotheses = await self.transcriber.feed(op.samples, partial=False)
+                self._audio_s[op.item_id] = self._audio_s.get(op.item_id, 0.0) + len(op.samples) / 16000
+                for h in hypotheses:
+                    if h.final:  # the utterance grew past one window: keep its text, go on
+                        self._parts.setdefault(op.item_id, []).append(h.text.strip())
+                    else:
+                        await self._partial(op.item_id, h.text)
+            elif op.kind == "endpoint":
+                final = await self.transcriber.endpoint()
+                self.transcriber = self.make_transcriber()  # the next utterance: the session's current settings
+                await self._finish(op.item_id, final.text)
+            else:  # oneshot: its own transcriber, so an utterance in progress is not disturbed
+                transcriber = self.make_transcriber()
+                hypotheses = await transcriber.feed(op.samples, partial=False)
+                self._parts.setdefault(op.item_id, []).extend(h.text.strip() for h in hypotheses if h.final)
+                self._audio_s[op.item_id] = len(op.samples) / 16000
+                await self._finish(op.item_id, (await transcriber.endpoint()).text)
+
+    async def _feed_partial(self, samples: np.ndarray) -> list:
+        """Feed with a partial decode, aborted when an endpoint is queued meanwhile: the final decode (what the
+        response waits for) must not wait behind a partial nobody will read."""
+        feed = asyncio.create_task(self.transcriber.feed(samples, partial=True))
+        ending = asyncio.create_task(self._endpoint_waiting.wait())
+        try:
+            await asyncio.wait({feed, ending}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the lane is closing
+            self.transcriber.abort()
+            feed.cancel()
+            raise
+        finally:
+            ending.cancel()
+        if not feed.done():
+            self.transcriber.abort()
+        return await feed
+
+    async def _partial(self, item_id: str, text: str) -> None:
+        words = " ".join(self._parts.get(item_id, []) + [text.strip()]).split()[:-1]  # the last word may be cut
+        sent = self._sent.setdefault(item_id, [])
+        if len(words) <= len(sent) or [_norm(w) for w in words[:len(sent)]] != [_norm(w) for w in sent]:
+            return
+        new = words[len(sent):]
+        sent.extend(new)
+        await self.sink.transcript_delta(item_id, (" " if len(sent) > len(new) else "") + " ".join(new))
+
+    async def _finish(self, item_id: str, text: str) -> None:
+        transcript = " ".join(p for p in self._parts.pop(item_id, []) + [text.strip()] if p)
+        sent = self._sent.pop(item_id, [])
+        words = transcript.split()
+        if len(words) > len(sent) and [_norm(w) for w in words[:len(sent)]] == [_norm(w) for w in sent]:
+            rest = words[len(sent):]
+            await self.sink.transcript_delta(item_id, (" " if sent else "") + " ".join(rest))
+        future = self.final(item_id)
+        if not future.done():
+            future.set_result(transcript)
+        await self.sink.transcript_done(item_id, transcript, self._audio_s.pop(item_id, 0.0))
+
+    async def _fail(self, item_id: str, exc: Exception) -> None:
+        self._parts.pop(item_id, None)
+        self._sent.pop(item_id, None)
+        self._audio_s.pop(item_id, None)
+        future = self.final(item_id)
+        if not future.done():
+            future.set_result("")
+        await self.sink.transcript_failed(item_id, getattr(exc, "code", "transcription_failed"), str(exc))
+
+
+def _norm(word: str) -> str:
+    return re.sub(r"[^\w']", "", word.lower())
+
