@@ -13,20 +13,10 @@ import pytest
 from PIL import Image
 
 from pipelines.request import ImageRequest, Task
-from tests.test_realtime_video_support import (Client, InProcessServer, Media, batches_of_two_or_more, decode_jpeg,
-                                               jpeg, painted_frame, slow_denoiser, start_engine,
-                                               video_demo_models)  # noqa: F401  (a fixture)
+from tests.test_realtime_video_support import (Client, Media, batches_of_two_or_more, decode_jpeg, jpeg,  # noqa: F401
+                                               painted_frame, server, slow_denoiser, video_demo_models)  # fixtures
 
 PROMPT = "a watercolour fox"
-
-
-@pytest.fixture(scope="module")
-def server(video_demo_models):  # noqa: F811
-    engine = start_engine(video_demo_models)
-    srv = InProcessServer(engine)
-    yield srv
-    srv.stop()
-    engine.shutdown()
 
 
 def _session(**fields) -> dict:

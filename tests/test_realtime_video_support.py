@@ -31,6 +31,16 @@ def video_demo_models(demo_models, tmp_path_factory) -> dict[str, str]:
     return {"sd": str(demo_models["sd"]), **{f: str(build_demo_model(f, root / f)) for f in ("ltx", "wan")}}
 
 
+@pytest.fixture(scope="module")
+def server(video_demo_models):
+    """An in-process server over a fresh engine serving the video demo models, for one test module."""
+    engine = start_engine(video_demo_models)
+    srv = InProcessServer(engine)
+    yield srv
+    srv.stop()
+    engine.shutdown()
+
+
 def start_engine(paths: dict[str, str], **config):
     """An Engine serving sd-demo, ltx-demo and wan-demo (CPU-sized video defaults), started."""
     from pipelines.config import EngineConfig, ModelSpec

@@ -12,19 +12,10 @@ from PIL import Image
 
 from pipelines.video import VideoRequest
 from stages.media_video_encode import encode_fmp4_segment
-from tests.test_realtime_video_support import (Client, InProcessServer, decode_jpeg, decode_mp4, start_engine,
-                                               video_demo_models)  # noqa: F401  (a fixture)
+from tests.test_realtime_video_support import (Client, decode_jpeg, decode_mp4, server,  # noqa: F401  (fixtures)
+                                               video_demo_models)
 
 PROMPT, OTHER = "a lighthouse at dusk", "a forest in the rain"
-
-
-@pytest.fixture(scope="module")
-def server(video_demo_models):  # noqa: F811
-    engine = start_engine(video_demo_models)
-    srv = InProcessServer(engine)
-    yield srv
-    srv.stop()
-    engine.shutdown()
 
 
 def _t2v(**fields) -> dict:
