@@ -157,6 +157,8 @@ def test_session_update_errors_name_the_field():
     cases = [({"voise": "x"}, "session.voise", "unknown_parameter"),
              ({"audio": {"output": {"voice": "nova"}}}, "session.audio.output.voice", "invalid_value"),
              ({"turn_detection": {"type": "semantic_vad"}}, "session.turn_detection.type", "unsupported_value"),
+             ({"turn_detection": {"type": "server_vad", "idle_timeout_ms": 6000}},
+              "session.turn_detection.idle_timeout_ms", "unsupported_value"),
              ({"turn_detection": {"threshold": 2}}, "session.turn_detection.threshold", "invalid_value"),
              ({"input_audio_format": "mp3"}, "session.input_audio_format", "invalid_value"),
              ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
