@@ -43,9 +43,12 @@ from stages.audio_dsp import resample
 log = logging.getLogger(__name__)
 
 
+IDLE_TIMEOUT = object()  # the mailbox entry of a due server_vad idle timeout (applied in order with client events)
+
+
 @dataclass
 class Inbound:
-    message: str | bytes  # one client frame
+    message: str | bytes | object  # one client frame, or IDLE_TIMEOUT
     received_at: float  # session clock when it arrived (input audio older than max_input_age_ms is dropped)
 
 
@@ -75,6 +78,7 @@ class VoiceSession(ResponseControl):
         self._announced: dict[str, asyncio.Event] = {}  # user item -> set once conversation.item.created is out
         self._acks: dict[str, tuple[float, float]] = {}  # item -> (played ms, clock) from playback.ack
         self._voice_used = False
+        self._idle_timer: asyncio.TimerHandle | None = None  # server_vad idle_timeout_ms, armed after a response
         self.closed = False
         self._handlers = {
             "session.update": self._session_update, "input_audio_buffer.append": self._append,
@@ -107,6 +111,7 @@ class VoiceSession(ResponseControl):
         if self.closed:
             return
         self.closed = True
+        self.disarm_idle()
         r = self.response
         if r is not None:
             self.epoch += 1
@@ -170,6 +175,9 @@ class VoiceSession(ResponseControl):
             inbound = await self._mailbox.get()
             event_id = None
             try:
+                if inbound.message is IDLE_TIMEOUT:
+                    await self._idle_timeout()
+                    continue
                 event = parse_client_event(inbound.message, self.limits.max_event_bytes)
                 event_id = event.get("event_id")
                 await self._handlers[event["type"]](event, inbound)
@@ -197,6 +205,7 @@ class VoiceSession(ResponseControl):
                 raise ProtocolError(exc.code, f"transcription: {exc.message}",
                                     param=f"session.audio.input.transcription.{exc.param}") from None
         self.config, self._updated = _with_beta(config, beta), True
+        self.disarm_idle()
         self.input.configure(config.input_format, config.turn_detection)
         await self.emit({"type": "session.updated", "session": self._session()})
 
@@ -224,6 +233,7 @@ class VoiceSession(ResponseControl):
         self.input.flush()
 
     async def _speech_started(self, vad_event) -> None:
+        self.disarm_idle()
         now = self.clock()
         item_id, first = self.input.begin(vad_event)
         self._announced[item_id] = asyncio.Event()
@@ -258,6 +268,7 @@ class VoiceSession(ResponseControl):
             await self._start_response(self._default_params(), now)
 
     async def _commit_buffer(self, event: dict, inbound: Inbound) -> None:
+        self.disarm_idle()
         item_id = self.input.commit()
         self._announced.setdefault(item_id, asyncio.Event())
         await self._commit_item(item_id)
@@ -265,12 +276,51 @@ class VoiceSession(ResponseControl):
     async def _commit_item(self, item_id: str) -> None:
         """The pending audio is a user item now; its transcript follows when the ASR lane finishes it."""
         item = Item(item_id, "user", "audio", transcript=self.asr.final(item_id))
-        previous = self.conversation.add(item)
         self.asr.endpoint(item_id)
+        await self._add_user_audio(item)
+
+    async def _add_user_audio(self, item: Item) -> None:
+        item_id = item.id
+        previous = self.conversation.add(item)
         await self.emit({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item_id})
         await self.emit({"type": "conversation.item.created", "previous_item_id": previous,
                          "item": item.wire(self.config.beta)})
         self._announced.setdefault(item_id, asyncio.Event()).set()
+
+    # -- server_vad idle timeout: OpenAI's input_audio_buffer.timeout_triggered --------------------------------
+    def arm_idle(self) -> None:
+        """After a response: when the user stays silent `idle_timeout_ms` past the end of its audio's playback, an
+        empty user audio item is committed and a response starts by itself (a phone agent's "are you there?")."""
+        self.disarm_idle()
+        td = self.config.turn_detection
+        if td is None or td.idle_timeout_ms is None or self.closed:
+            return
+        delay_s = self.playback.lead_ms(self.clock()) / 1000 + td.idle_timeout_ms / 1000
+        self._idle_timer = asyncio.get_running_loop().call_later(delay_s, self._idle_due)
+
+    def disarm_idle(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _idle_due(self) -> None:
+        self._idle_timer = None
+        try:
+            self._mailbox.put_nowait(Inbound(IDLE_TIMEOUT, self.clock()))
+        except asyncio.QueueFull:  # the client is busy sending: it is not idle
+            pass
+
+    async def _idle_timeout(self) -> None:
+        td = self.config.turn_detection
+        if td is None or td.idle_timeout_ms is None or self.response is not None or self.input.pending_item is not None:
+            return  # something happened since the timer was set
+        end_ms = self.input.ring.end * 1000 // SAMPLE_RATE
+        item = Item(new_id("item"), "user", "audio", transcript=asyncio.get_running_loop().create_future())
+        item.transcript.set_result("")
+        await self.emit({"type": "input_audio_buffer.timeout_triggered", "item_id": item.id,
+                         "audio_start_ms": max(0, end_ms - td.idle_timeout_ms), "audio_end_ms": end_ms})
+        await self._add_user_audio(item)
+        await self._start_response(self._default_params(), self.clock())
 
     async def _clear_buffer(self, event: dict, inbound: Inbound) -> None:
         if self.input.pending_item is not None:
@@ -279,6 +329,7 @@ class VoiceSession(ResponseControl):
         await self.emit({"type": "input_audio_buffer.cleared"})
 
     async def _item_create(self, event: dict, inbound: Inbound) -> None:
+        self.disarm_idle()
         spec = parse_item(event.get("item"), "item")
         previous_id = event.get("previous_item_id")
         if previous_id is not None and not isinstance(previous_id, str):

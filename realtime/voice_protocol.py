@@ -67,7 +67,7 @@ class TurnDetection:
     silence_duration_ms: int = 500  # silence that ends the turn
     create_response: bool = True  # a response starts when the turn ends
     interrupt_response: bool = True  # speech during a response cancels it (barge-in)
-    idle_timeout_ms: None = None  # OpenAI's idle timeout: only null is accepted (not implemented; a number is an error)
+    idle_timeout_ms: int | None = None  # a response starts by itself after this much silence past the last one
 
     def wire(self) -> dict[str, Any]:
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
@@ -350,9 +350,9 @@ def turn_detection(value: Any, current: TurnDetection | None, where: str) -> Tur
             if not isinstance(value[key], bool):
                 raise ProtocolError("invalid_value", f"{where}.{key} must be true or false", param=f"{where}.{key}")
             values[key] = value[key]
-    if value.get("idle_timeout_ms") is not None:  # refused rather than silently ignored
-        raise ProtocolError("unsupported_value", f"{where}.idle_timeout_ms is not supported by this server; send null "
-                                                 "or leave it out", param=f"{where}.idle_timeout_ms")
+    if "idle_timeout_ms" in value:
+        v = value["idle_timeout_ms"]
+        values["idle_timeout_ms"] = None if v is None else _integer(v, f"{where}.idle_timeout_ms", 5000, 30000)
     return replace(base, **values)
 
 

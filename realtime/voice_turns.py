@@ -21,6 +21,7 @@ class ResponseControl:
         return ResponseParams(c.output_modalities, c.instructions, c.max_output_tokens, c.temperature)
 
     async def _start_response(self, params: ResponseParams, start: float) -> None:
+        self.disarm_idle()
         c = self.config
         audio = "audio" in params.output_modalities
         item = Item(new_id("item"), "assistant", "audio" if audio else "text", status="in_progress")
@@ -76,6 +77,8 @@ class ResponseControl:
             await self.emit({"type": "response.output_item.done", "response_id": r.id, "output_index": 0,
                              "item": r.item.wire(beta)})
         await self._done_events(r, status, reason, error)
+        if status in ("completed", "incomplete"):
+            self.arm_idle()
 
     def _bump(self, r: Response, now: float) -> None:
         """The fence goes up first; everything else follows from producers seeing it."""

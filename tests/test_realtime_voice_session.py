@@ -113,6 +113,34 @@ def test_a_text_turn_emits_the_ga_events_in_order(engine):
     sdk_check(events)
 
 
+def test_idle_timeout_commits_an_empty_turn_and_answers_it(engine):
+    """server_vad idle_timeout_ms: silence past the end of a response starts the next one by itself."""
+    async def main():
+        s, c = await open_session(engine)
+        await send(s, {"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"],
+                                                             "audio": {"input": {"turn_detection": {
+                                                                 "type": "server_vad", "idle_timeout_ms": 5000}}}}})
+        await send(s, user_text("Hello there"))
+        await send(s, {"type": "response.create"})
+        await c.wait_event("response.done")
+        for _ in range(8):  # 0.8 s of silence: appends are activity but not speech, so the timer keeps running
+            await send(s, append_event(silence(0.1)))
+        timeout = await c.wait_event("input_audio_buffer.timeout_triggered")
+        await c.wait_event("response.done", count=2)
+        await s.close("test")
+        return c.events, timeout
+
+    events, timeout = asyncio.run(main())
+    kinds = [e["type"] for e in events]
+    at = kinds.index("input_audio_buffer.timeout_triggered")
+    assert kinds[at + 1:at + 4] == ["input_audio_buffer.committed", "conversation.item.created", "response.created"]
+    assert events[at + 1]["item_id"] == timeout["item_id"] == events[at + 2]["item"]["id"]
+    assert events[at + 2]["item"]["role"] == "user"
+    assert timeout["audio_end_ms"] - timeout["audio_start_ms"] <= 5000
+    assert kinds.count("input_audio_buffer.timeout_triggered") == 1  # the next one waits for the next response to end
+    sdk_check(events)
+
+
 def test_bad_input_is_answered_with_an_error_and_the_session_survives(engine):
     async def main():
         s, c = await open_session(engine, max_append_bytes=1000, max_event_bytes=4096)
