@@ -8,7 +8,9 @@ frames through the outbox (realtime/sessions.py), which journals them for resume
 
 Overload (frames or chunks late) degrades the session one notch at a time in the order of
 realtime/video_degrade.py (lookahead, steps, resolution), each change announced by
-`session.updated {reason: "overload", degraded}`. Bad input is an `error` event; the session goes on.
+`session.updated {reason: "overload", degraded}`; a long run of on-time outputs brings the notches back
+in the reverse order (`session.updated {reason: "recovered", restored}`). Bad input is an `error` event; the
+session goes on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from pipelines.config import RealtimeConfig
 from realtime.sessions import Journal, Outbox, SessionRegistry
 from realtime.video_credits import CreditGate
-from realtime.video_degrade import OverloadLadder, next_degradation
+from realtime.video_degrade import Degradation, OverloadLadder, next_degradation
 from realtime.video_img2img import Img2ImgStream
 from realtime.video_models import min_steps, resolve, size_of
 from realtime.video_output import OutputEncoder
@@ -47,6 +49,7 @@ class VideoSession:
         self.credits = CreditGate(settings.credits, on_change=self._wake)
         self.output = OutputEncoder(engine, settings.output_format, settings.output_quality)
         self.ladder = OverloadLadder(LADDER_WINDOW[settings.mode])
+        self.degraded: list[Degradation] = []  # notches overload took, newest last; a client update forgets them
         self.stream = Img2ImgStream(self) if settings.mode == "img2img" else ChunkStream(self)
         self.closed: str | None = None  # the reason, once closed
         self.socket_owner: object | None = None  # the connection whose socket the outbox sends to
@@ -124,6 +127,8 @@ class VideoSession:
         if kind == "control":
             control, settings = parse_control(event, self.requested)
             await self._apply(settings)
+            if control.kind == "params":  # the client chose these knobs: what overload took is not given back
+                self.degraded.clear()
             applies = {"block_idx": self.stream.control(control)} if isinstance(self.stream, ChunkStream) else {}
             return await self.emit({"type": "control.accepted", "event_id": control.event_id, "kind": control.kind,
                                     **applies})
@@ -157,6 +162,7 @@ class VideoSession:
         if block_idx:
             self.stream.check_continue(block_idx)  # continuing: nothing to reset
         await self._apply(_without_block(requested))
+        self.degraded.clear()  # the client chose these settings: overload does not give back what it took before
         if block_idx == 0:
             await self.stream.restart()
         await self.emit({"type": "session.updated", "session": {"id": self.id, **self.settings.public()},
@@ -172,9 +178,25 @@ class VideoSession:
         self.stream.wake()
 
     async def overloaded(self, late: bool) -> None:
-        """One frame's (or chunk's) lateness; past the ladder's threshold, degrade one notch and say so."""
-        if not self.ladder.observe(late):
+        """One frame's (or chunk's) lateness; past the ladder's threshold, degrade one notch and say so; after a
+        long run on time, restore the newest notch taken."""
+        if self.ladder.observe(late):
+            return await self._degrade()
+        if self.degraded and self.ladder.calm():
+            await self._restore(self.degraded.pop())
+
+    async def _restore(self, step: Degradation) -> None:
+        field = {"lookahead": "lookahead", "steps": "steps", "resolution": "size"}[step.knob]
+        try:
+            await self._apply(self.requested.apply({field: step.before}, created=True))
+        except ProtocolError as e:
+            log.info("video session %s: cannot restore %s to %s: %s", self.id, step.knob, step.before, e.message)
             return
+        self.engine.metrics.rt_video_restored.labels(knob=step.knob).inc()
+        await self.emit({"type": "session.updated", "session": {"id": self.id, **self.settings.public()},
+                         "reason": "recovered", "restored": {"knob": step.knob, "from": step.after, "to": step.before}})
+
+    async def _degrade(self) -> None:
         s = self.settings
         width, height = size_of(s)
         step = next_degradation(lookahead=s.lookahead, steps=s.steps, min_steps=min_steps(s), width=width,
@@ -187,6 +209,7 @@ class VideoSession:
         except ProtocolError as e:  # the model refuses the smaller setting: stay where we are
             log.info("video session %s: cannot degrade %s to %s: %s", self.id, step.knob, step.after, e.message)
             return
+        self.degraded.append(step)
         self.engine.metrics.rt_video_degraded.labels(knob=step.knob).inc()
         await self.emit({"type": "session.updated", "session": {"id": self.id, **self.settings.public()},
                          "reason": "overload", "degraded": step.event()})

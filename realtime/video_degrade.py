@@ -2,7 +2,9 @@
 
 The order is the book's (ch.19): lookahead first (one frame or chunk less in flight refunds its
 slack at once), then denoising steps, then resolution last (it changes the denoiser's shapes,
-so the graph bucket and which sessions can share a batch). Pure bookkeeping: no tensors, no I/O.
+so the graph bucket and which sessions can share a batch). When the load is gone (a long run of
+on-time outcomes: hysteresis, so a session does not flap), the notches come back one at a time in
+the reverse order. Pure bookkeeping: no tensors, no I/O.
 """
 
 from __future__ import annotations
@@ -24,20 +26,34 @@ class Degradation:
 
 
 class OverloadLadder:
-    """Counts late frames (or chunks) over a sliding window; says when to degrade one notch."""
+    """Counts late frames (or chunks) over a sliding window; says when to degrade one notch, and when a
+    degraded session has been on time long enough to get one back."""
 
-    def __init__(self, window: int, late_fraction: float = 0.5):
-        if window < 1 or not 0 < late_fraction <= 1:
-            raise ValueError(f"window must be >= 1 and late_fraction in (0, 1], got {window} and {late_fraction}")
+    def __init__(self, window: int, late_fraction: float = 0.5, calm_windows: int = 4):
+        if window < 1 or not 0 < late_fraction <= 1 or calm_windows < 1:
+            raise ValueError(f"window and calm_windows must be >= 1 and late_fraction in (0, 1], got {window}, "
+                             f"{calm_windows} and {late_fraction}")
         self.window = window  # observations that decide
         self.late_fraction = late_fraction  # this share of them late -> overloaded
+        self.calm_after = calm_windows * window  # on-time outcomes in a row that restore one notch
         self._marks: deque[bool] = deque(maxlen=window)
+        self._on_time = 0  # on-time outcomes since the last late one (or the last change)
 
     def observe(self, late: bool) -> bool:
         """Record one outcome; True when the last `window` outcomes were mostly late. The window then
         restarts, so the next notch waits for evidence measured under the new settings."""
         self._marks.append(late)
+        self._on_time = 0 if late else self._on_time + 1
         if len(self._marks) == self.window and sum(self._marks) >= self.late_fraction * self.window:
+            self._marks.clear()
+            self._on_time = 0
+            return True
+        return False
+
+    def calm(self) -> bool:
+        """True once `calm_after` outcomes in a row were on time; the count then restarts (one notch at a time)."""
+        if self._on_time >= self.calm_after:
+            self._on_time = 0
             self._marks.clear()
             return True
         return False

@@ -83,6 +83,8 @@ class Metrics:
                                         ["reason"], registry=r)
         self.rt_video_degraded = Counter("mmserve_realtime_video_degraded_total", "Overload degradations by knob "
                                          "(lookahead, steps, resolution)", ["knob"], registry=r)
+        self.rt_video_restored = Counter("mmserve_realtime_video_restored_total", "Degradations given back once a "
+                                         "session ran on time again, by knob", ["knob"], registry=r)
 
         # Realtime voice sessions (realtime/voice*.py): admission, the epoch fence, stage-to-ear latencies.
         self.rt_voice_sessions = Gauge("mmserve_realtime_voice_sessions", "Live realtime voice sessions (attached "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
 
 import numpy as np
@@ -186,3 +187,38 @@ async def _drain(client: Client, done: asyncio.Event) -> None:
             await client.receive(0.2)
         except asyncio.TimeoutError:
             pass
+
+
+def test_overload_gives_back_its_notches_in_reverse_order_once_on_time(server):
+    """The session's own ladder, fed outcomes directly (no clock involved): 3 notches down, then back up."""
+    from pipelines.config import RealtimeConfig
+    from realtime.video import VideoSession
+
+    async def main():
+        session = VideoSession.open(server.engine, {"mode": "img2img", "model": "sd-demo", "prompt": PROMPT, "steps": 4,
+                                                    "strength": 0.5, "lookahead": 2, "size": "64x64"},
+                                    tenant="default", config=RealtimeConfig())
+        events = []
+
+        async def collect(frame):
+            events.append(json.loads(frame))
+
+        await session.outbox.attach(collect)
+        window = session.ladder.window
+        for _ in range(3 * window):
+            await session.overloaded(True)
+        down = (session.settings.lookahead, session.settings.steps, session.settings.size)
+        for _ in range(3 * session.ladder.calm_after):
+            await session.overloaded(False)
+        up = (session.settings.lookahead, session.settings.steps, session.settings.size)
+        await session.close("test")
+        return events, down, up
+
+    events, down, up = asyncio.run(main())
+    updates = [e for e in events if e["type"] == "session.updated"]
+    assert [(u["reason"], (u.get("degraded") or u["restored"])["knob"]) for u in updates] == [
+        ("overload", "lookahead"), ("overload", "steps"), ("overload", "resolution"),
+        ("recovered", "resolution"), ("recovered", "steps"), ("recovered", "lookahead")]
+    assert down == (1, 2, "32x32") and up == (2, 4, "64x64")
+    assert server.engine.metrics.registry.get_sample_value("mmserve_realtime_video_restored_total",
+                                                           {"knob": "lookahead"}) >= 1

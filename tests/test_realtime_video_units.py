@@ -91,6 +91,18 @@ def test_the_ladder_needs_a_window_of_mostly_late_outcomes_then_starts_over():
     assert not any(ladder.observe(False) for _ in range(10))
 
 
+def test_a_long_calm_run_gives_back_one_notch_at_a_time():
+    ladder = OverloadLadder(window=2, calm_windows=3)
+    assert not any(ladder.observe(False) or ladder.calm() for _ in range(5))
+    assert not ladder.observe(False) and ladder.calm()  # 6 on time in a row
+    assert not ladder.calm()  # the count starts over: the next notch needs 6 more
+    for late in (False, False, True):
+        ladder.observe(late)
+    assert not ladder.calm()  # a late outcome restarts the count
+    assert not any(ladder.observe(False) or ladder.calm() for _ in range(5))
+    assert not ladder.observe(False) and ladder.calm()
+
+
 def test_similarity_filter_skips_near_copies_at_most_max_skip_in_a_row():
     f, frame = SimilarityFilter(), np.full((64, 64, 3), 100, np.uint8)
     other = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
