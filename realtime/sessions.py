@@ -34,6 +34,25 @@ Payload = str | bytes  # a text frame (one JSON event) or a binary frame
 Sender = Callable[[Payload], Awaitable[None]]
 
 
+class ProtocolError(Exception):
+    """A client event a session cannot apply: it becomes an `error` event naming `code` and `param`, and the
+    session goes on."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, error_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.error_type = error_type
+
+
+def error_event(code: str, message: str, *, param: str | None = None, event_id: Any = None,
+                error_type: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's `error` event; `event_id` names the client event that caused it."""
+    return {"type": "error", "error": {"type": error_type, "code": code, "message": message, "param": param,
+                                       "event_id": event_id}}
+
+
 class Journal:
     """Sent frames by sequence number, oldest dropped first past `max_events` or `max_bytes`."""
 

@@ -93,7 +93,7 @@ class VideoSession:
 
     async def error(self, code: str, message: str, *, param: str | None = None, event_id: Any = None,
                     kind: str = "invalid_request_error") -> None:
-        await self.emit(error_event(code, message, param=param, event_id=event_id, kind=kind))
+        await self.emit(error_event(code, message, param=param, event_id=event_id, error_type=kind))
 
     def count(self, *, frame_outcome: str, frames: int = 1, latency_s: float | None = None) -> None:
         metrics, labels = self.engine.metrics, dict(model=self.settings.model, mode=self.settings.mode)

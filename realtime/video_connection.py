@@ -89,7 +89,7 @@ class VideoConnection:
         except SessionRefused as e:
             self.engine.metrics.rt_video_refused.labels(reason=e.code).inc()
             await self.socket.send(json.dumps(error_event(e.code, e.message, event_id=event.get("event_id"),
-                                                          kind="rate_limit_error")))
+                                                          error_type="rate_limit_error")))
             await self.socket.close(CLOSE_TRY_AGAIN, e.code)
             return
         self.engine.metrics.rt_video_sessions.set(len(self.registry))

@@ -20,7 +20,7 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from realtime.sessions import unpack_frame
+from realtime.sessions import ProtocolError, error_event, unpack_frame  # noqa: F401  (importers take them here)
 
 MODES = ("img2img", "t2v")
 OUTPUT_FORMATS = ("jpeg", "webp", "fmp4")
@@ -34,22 +34,6 @@ _SIZE = re.compile(r"^\s*(\d{1,5})\s*x\s*(\d{1,5})\s*$")
 _CLIENT_EVENTS = ("session.update", "session.resume", "control", "credit", "session.heartbeat", "session.event_ack")
 # Fields a running session may not change: a different model or mode is a different session.
 FIXED_AFTER_CREATE = ("mode", "model")
-
-
-class ProtocolError(Exception):
-    """Bad client input: becomes an `error` event naming `param`; the session survives."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
-def error_event(code: str, message: str, *, param: str | None = None, event_id: Any = None,
-                kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"type": "error", "error": {"type": kind, "code": code, "message": message, "param": param,
-                                       "event_id": event_id}}
 
 
 @dataclass(frozen=True)

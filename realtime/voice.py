@@ -29,7 +29,7 @@ from pipelines.asr_incremental import IncrementalTranscriber
 from pipelines.config import VoiceSessionConfig, VoiceSpec
 from pipelines.request import RequestError
 from realtime.audio_codec import AudioDecodeError, b64decode, b64encode, decode, encode
-from realtime.sessions import Outbox
+from realtime.sessions import Outbox, error_event
 from realtime.vad import SAMPLE_RATE, VadLoader
 from realtime.voice_asr import AsrLane
 from realtime.voice_input import VoiceInput
@@ -163,8 +163,8 @@ class VoiceSession(ResponseControl):
         return True
 
     async def _error(self, exc: ProtocolError, event_id: str | None) -> None:
-        await self.emit({"type": "error", "error": {"type": exc.error_type, "code": exc.code, "message": exc.message,
-                                                    "param": exc.param, "event_id": event_id}})
+        await self.emit(error_event(exc.code, exc.message, param=exc.param, event_id=event_id,
+                                    error_type=exc.error_type))
 
     def _session(self) -> dict[str, Any]:
         return session_object(self.config, session_id=self.id, model=self.spec.name)

@@ -24,7 +24,7 @@ from typing import Any
 
 from pipelines.request import RequestError
 from realtime.sessions import (CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN, Journal, Outbox, SessionRefused,
-                               SessionRegistry, SessionSocket)
+                               SessionRegistry, SessionSocket, error_event)
 from realtime.vad import VadLoader
 from realtime.voice import VoiceSession
 from realtime.voice_items import new_id
@@ -36,9 +36,8 @@ REFUSED_WAIT_S = 5.0  # a connection refused at capacity may still send session.
 def error_frame(code: str, message: str, *, param: str | None = None, error_type: str = "invalid_request_error",
                 event_id: str | None = None) -> str:
     """An `error` event outside any session's numbered stream (before a session exists)."""
-    return json.dumps({"type": "error", "event_id": new_id("event"),
-                       "error": {"type": error_type, "code": code, "message": message, "param": param,
-                                 "event_id": event_id}})
+    return json.dumps({**error_event(code, message, param=param, event_id=event_id, error_type=error_type),
+                       "event_id": new_id("event")})
 
 
 class VoiceConnection:

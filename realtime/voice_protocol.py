@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from realtime.audio_codec import FORMATS, GA_FORMATS, PCM16, AudioFormat
+from realtime.sessions import ProtocolError  # noqa: F401  (raised here; importers take it from this module too)
 
 CLIENT_EVENTS = frozenset({
     "session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
@@ -45,17 +46,6 @@ BETA_NAMES = {  # GA name -> beta name (the rest are the same in both)
     "response.output_text.done": "response.text.done",
 }
 BETA_CONTENT = {"output_audio": "audio", "output_text": "text"}
-
-
-class ProtocolError(Exception):
-    """A client event the session cannot apply; `code` and `param` go into the `error` event."""
-
-    def __init__(self, code: str, message: str, param: str | None = None, error_type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-        self.error_type = error_type
 
 
 @dataclass(frozen=True)

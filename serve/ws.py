@@ -15,7 +15,7 @@ import json
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from realtime.sessions import CLOSE_TRY_AGAIN, SessionRegistry, reap_until_empty
+from realtime.sessions import CLOSE_TRY_AGAIN, SessionRegistry, error_event, reap_until_empty
 from serve.auth import DEFAULT_TENANT
 
 _KEY_PROTOCOL = "openai-insecure-api-key."
@@ -30,10 +30,8 @@ async def accept(websocket: WebSocket) -> str | None:
     protocols = [p for p in websocket.scope.get("subprotocols", []) if not p.startswith(_KEY_PROTOCOL)]
     await websocket.accept(subprotocol=protocols[0] if protocols else None)
     if not websocket.app.state.engine.ready:
-        error = {"type": "error", "error": {"type": "service_unavailable_error", "code": "model_loading",
-                                            "message": "the models are still loading; retry shortly",
-                                            "param": None, "event_id": None}}
-        await websocket.send_text(json.dumps(error))
+        await websocket.send_text(json.dumps(error_event("model_loading", "the models are still loading; retry shortly",
+                                                         error_type="service_unavailable_error")))
         await websocket.close(CLOSE_TRY_AGAIN)
         return None
     return tenant
