@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipelines.chat_parts import checked_message
 from pipelines.request import RequestError
 from stages.graph_metrics import MetricsObserver
 from stages.graph_runner import GraphConfig
@@ -14,7 +15,6 @@ from stages.llm.scheduler import SchedulerConfig
 from stages.llm.stage import GenerationRequest, LLMStage
 from stages.metrics import Metrics
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 LLM_FAMILY = "causal-lm"
 
 
@@ -108,13 +108,7 @@ class ChatModel:
 
 
 def _checked_message(message: Any, i: int) -> dict[str, str]:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise RequestError(where, f"{where} must be an object with role and content")
-    role = message.get("role")
-    if role not in ROLES:
-        raise RequestError(f"{where}.role", f"{where}.role must be one of {list(ROLES)}; got {role!r}")
-    content = message.get("content")
+    where, role, content = checked_message(message, i)
     if isinstance(content, list):  # content parts: text only for a text model
         texts = []
         for j, part in enumerate(content):
@@ -123,8 +117,6 @@ def _checked_message(message: Any, i: int) -> dict[str, str]:
                                    "({\"type\": \"text\", \"text\": ...}); this model reads text only")
             texts.append(part["text"])
         content = "".join(texts)
-    if content is None and role == "assistant":
-        content = ""
     if not isinstance(content, str):
         raise RequestError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
     return {"role": role, "content": content}

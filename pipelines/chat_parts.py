@@ -60,20 +60,24 @@ class ParsedChat:
     media: list[MediaPart]  # in order of appearance; "index" above points here
 
 
+def checked_message(message: Any, i: int) -> tuple[str, str, Any]:
+    """messages[i] -> (where, role, content) with the role checked; an assistant's null content is ""."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise RequestError(where, f"{where} must be an object with role and content")
+    role = message.get("role")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role", f"{where}.role must be one of {list(ROLES)}; got {role!r}")
+    content = message.get("content")
+    return where, role, "" if content is None and role == "assistant" else content
+
+
 def parse_messages(messages: Any, config: VLMConfig) -> ParsedChat:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "messages must hold at least one message")
     out, media = [], []
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(where, f"{where} must be an object with role and content")
-        role = message.get("role")
-        if role not in ROLES:
-            raise RequestError(f"{where}.role", f"{where}.role must be one of {list(ROLES)}; got {role!r}")
-        content = message.get("content")
-        if content is None and role == "assistant":
-            content = ""
+        where, role, content = checked_message(message, i)
         if isinstance(content, list):
             content = [_part(part, f"{where}.content[{j}]", role, media) for j, part in enumerate(content)]
         elif not isinstance(content, str):
