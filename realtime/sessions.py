@@ -309,9 +309,8 @@ class SessionRegistry:
             await self.remove(sid, reason)
 
 
-def registry_for(kind: str, config: RealtimeConfig | None) -> SessionRegistry:
-    """The `kind` ("voice" or "video") sessions of one server, limited by `[realtime]` (None: the defaults)."""
-    config = config or RealtimeConfig()
+def registry_for(kind: str, config: RealtimeConfig) -> SessionRegistry:
+    """The `kind` ("voice" or "video") sessions of one server, limited by `[realtime]`."""
     return SessionRegistry(kind, getattr(config, f"max_{kind}_sessions"), resume_grace_s=config.resume_grace_s,
                            idle_timeout_s=config.idle_timeout_s, max_duration_s=config.max_duration_s)
 

@@ -53,9 +53,8 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.state.created = int(time.time())  # the `created` of every model object
     app.state.job_store = JobStore(data_dir if data_dir is not None else tempfile.mkdtemp(prefix="mmserve-jobs-"))
     app.state.job_runner = JobRunner(app.state.job_store, engine, app, job_policy or JobPolicy())
-    realtime = getattr(getattr(engine, "config", None), "realtime", None)  # None: a test's stand-in engine
-    app.state.video_sessions = registry_for("video", realtime)
-    app.state.voice_sessions = registry_for("voice", realtime)
+    app.state.video_sessions = registry_for("video", engine.config.realtime)
+    app.state.voice_sessions = registry_for("voice", engine.config.realtime)
     app.include_router(routes_chat.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_images.router)

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
+from pipelines.config import RealtimeConfig
 from serve.jobs import JobStore, write_atomic
 from stages.events import EventKind
 from stages.metrics import Metrics
@@ -117,6 +118,7 @@ class FakeEngine:
         self.step_s = step_s
         self.executor = _Executor()
         self.submitted: list[FakeVideoRequest] = []
+        self.config = types.SimpleNamespace(realtime=RealtimeConfig())  # what create_app reads of the config
 
     def submit_video(self, model: str, request: FakeVideoRequest) -> RequestHandle:
         self.submitted.append(request)
