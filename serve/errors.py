@@ -16,13 +16,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from stages.events import StageError
 
 log = logging.getLogger(__name__)
 
+JSON_TYPE = "application/json"
 _TYPES = {429: "rate_limit_error", 499: "cancelled_error", 503: "service_unavailable_error", 504: "timeout_error"}
 _DEFAULT_RETRY_AFTER_S = {429: 1.0, 503: 5.0}
 
@@ -64,6 +65,71 @@ def stage_error_parts(exc: StageError) -> dict[str, Any]:
     return dict(status=exc.status, message=exc.message, param=exc.param, code=exc.code)
 
 
+def is_json_type(content_type: str | None) -> bool:
+    """application/json or any application/*+json, parameters (charset) ignored."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == JSON_TYPE or (media.startswith("application/") and media.endswith("+json"))
+
+
+def wrong_content_type_message(content_type: str | None, *, accepted: str = JSON_TYPE) -> str:
+    sent = repr(content_type) if content_type else "no Content-Type header"
+    return f"the request body must be sent with Content-Type: {accepted}; got {sent}"
+
+
+def not_an_object_message(value: Any) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+             type(None): "null"}
+    return f"the request body must be a JSON object; got {kinds.get(type(value), type(value).__name__)}"
+
+
+def body_error_parts(err: dict[str, Any], *, content_type: str | None, body_model: Any = None) -> dict[str, Any] | None:
+    """An error about the body as a whole (pydantic loc == ("body",)), worded for what was wrong with it:
+    no body (the schema's missing fields named, as for `{}`), a body FastAPI left unparsed because its
+    content type is not JSON, or a JSON value other than an object. None: not such an error."""
+    if tuple(err.get("loc", ())) != ("body",):
+        return None
+    kind = err.get("type", "")
+    if kind == "missing":  # no body at all: name what `{}` would be missing
+        missing = _missing_fields(body_model)
+        if missing:
+            return validation_error_parts(missing)
+        return dict(status=400, message="the request body is empty; send a JSON object with Content-Type: "
+                    f"{JSON_TYPE}", param=None, code="missing_required_parameter")
+    if isinstance(err.get("input"), (bytes, bytearray)):  # FastAPI parses JSON only when the content type says so
+        return dict(status=400, message=wrong_content_type_message(content_type), param=None,
+                    code="invalid_content_type")
+    if kind in ("model_attributes_type", "dict_type", "model_type"):
+        return dict(status=400, message=not_an_object_message(err.get("input")), param=None, code="invalid_json")
+    return None
+
+
+def _missing_fields(body_model: Any) -> list[dict[str, Any]]:
+    """The `missing` errors validating {} against `body_model` gives (none if it is not a pydantic model)."""
+    if not (isinstance(body_model, type) and issubclass(body_model, BaseModel)):
+        return []
+    try:
+        body_model.model_validate({})
+    except ValidationError as e:
+        return [err for err in e.errors() if err.get("type") == "missing"]
+    return []
+
+
+def _route_body_model(request: Request) -> Any:
+    """The pydantic model the matched route declares as its body, if any."""
+    field = getattr(request.scope.get("route"), "body_field", None)
+    return getattr(getattr(field, "field_info", None), "annotation", None)
+
+
+def request_validation_parts(request: Request, errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """FastAPI's validation errors for `request` -> one OpenAI error (see validation_error_parts)."""
+    if errors:
+        whole = body_error_parts(errors[0], content_type=request.headers.get("content-type"),
+                                 body_model=_route_body_model(request))
+        if whole is not None:
+            return whole
+    return validation_error_parts(errors)
+
+
 def validation_error_parts(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """Pydantic's error list -> one OpenAI error naming the first offending field (the rest in the message)."""
     messages, first_param, first_code = [], None, "invalid_value"
@@ -78,9 +144,8 @@ def validation_error_parts(errors: list[dict[str, Any]]) -> dict[str, Any]:
             code, msg = "unknown_parameter", f"Unrecognized request argument supplied: {param}"
         elif kind == "missing":
             code, msg = "missing_required_parameter", f"Missing required parameter: '{param}'"
-        elif kind in ("model_attributes_type", "dict_type", "model_type"):
-            param, code = None, "invalid_json"
-            msg = "the request body must be a JSON object"
+        elif kind in ("model_attributes_type", "dict_type", "model_type") and param is None:
+            code, msg = "invalid_json", not_an_object_message(err.get("input"))
         else:
             code = "invalid_value"
             detail = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -106,7 +171,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(**validation_error_parts(list(exc.errors())))
+        return error_response(**request_validation_parts(request, list(exc.errors())))
 
     @app.exception_handler(ValidationError)
     async def _validation(request: Request, exc: ValidationError) -> JSONResponse:

@@ -20,6 +20,7 @@ from starlette.formparsers import MultiPartException
 
 from pipelines.request import RequestError
 from serve.auth import tenant_of
+from serve.bodies import read_json_object
 from serve.errors import ApiError
 from serve.jobs import VIDEO_REQUEST_FIELDS, Job, write_atomic
 from serve.schemas import StepCacheBody, json_object, parse_size
@@ -220,12 +221,7 @@ async def _read(request: Request) -> tuple[VideoBody, bytes | None]:
             else:
                 fields[key] = value
         return VideoBody.model_validate(fields), image
-    try:
-        data = await request.json()
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    data = await read_json_object(request, accepted="application/json (or multipart/form-data)")
     body = VideoBody.model_validate(data)
     image = None
     source = body.reference_source()

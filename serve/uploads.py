@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from pipelines.request import ImageRequest, RequestError, Task
+from serve.bodies import read_json_object
 from serve.errors import ApiError
 
 FILE_FIELDS = {"image": "image", "image[]": "image", "mask": "mask"}  # the openai client sends lists as image[]
@@ -32,12 +33,7 @@ class EditUpload:
 
 async def read_edit_json(request: Request) -> EditUpload:
     """A JSON edit request: images as `{"image_url": ...}` references (OpenAI's JSON form of edits)."""
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    body = await read_json_object(request)
     images = body.pop("images", None)
     if images is None and "image" in body:  # a single reference, for clients that send one
         images = [body.pop("image")]
@@ -63,8 +59,8 @@ async def read_edit_form(request: Request, *, max_file_bytes: int) -> EditUpload
     """Parse the multipart body; 400 naming the part on anything malformed, 413 on an oversized file."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
-        raise ApiError(400, f"/v1/images/edits takes multipart/form-data (with the image as a file part) or JSON with "
-                            f"image references; "
+        raise ApiError(400, f"/v1/images/edits takes multipart/form-data (with the image as a file part) or "
+                            f"application/json (with image references); "
                             f"got Content-Type {content_type or 'none'!r}", code="invalid_content_type")
     declared = int(request.headers.get("content-length") or 0)
     if declared > 2 * max_file_bytes + 2**20:  # image + mask + text fields: refuse before reading a byte

@@ -195,6 +195,31 @@ def test_missing_prompt_and_malformed_json(server):
     assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404, None)
 
 
+JSON_ROUTES = [("/v1/images/generations", "prompt"), ("/v1/videos", "prompt"), ("/v1/chat/completions", "messages"),
+               ("/v1/embeddings", "input"), ("/v1/batches", "input_file_id"), ("/v1/audio/speech", "input")]
+
+
+@pytest.mark.parametrize("route,required", JSON_ROUTES)
+def test_empty_body_names_the_missing_field(server, route, required):
+    url = f"{server.url}{route}"
+    assert_error(httpx.post(url, json={}), 400, required, "missing_required_parameter")
+    for absent in (httpx.post(url), httpx.post(url, content=b"", headers={"content-type": "application/json"})):
+        error = assert_error(absent, 400, required, "missing_required_parameter")
+        assert "None" not in error["message"] and required in error["message"]
+
+
+@pytest.mark.parametrize("route,required", JSON_ROUTES + [("/v1/images/edits", "images")])
+def test_json_sent_as_another_content_type_says_so(server, route, required):
+    url = f"{server.url}{route}"
+    for sent in ("text/plain", "application/x-www-form-urlencoded"):
+        error = assert_error(httpx.post(url, content=b'{"prompt": "a fox"}', headers={"content-type": sent}),
+                             400, None, "invalid_content_type")
+        assert "application/json" in error["message"] and sent in error["message"], error
+    error = assert_error(httpx.post(url, content=b"null", headers={"content-type": "application/json"}),
+                         400, None, "invalid_json")
+    assert error["message"] == "the request body must be a JSON object; got null"
+
+
 def edit(server, files, **fields) -> httpx.Response:
     data = {"model": MODEL, "prompt": "repaint", "num_inference_steps": str(STEPS), **fields}
     return httpx.post(f"{server.url}/v1/images/edits", data=data, files=files, timeout=60)
