@@ -126,9 +126,8 @@ def decode_image(data: bytes, limits: ImageDecodeLimits = ImageDecodeLimits(), m
     try:
         # Image.open reads headers only; PIL raises DecompressionBombError here for absurd sizes.
         img = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as e:
-        raise MediaError("media_pixels", f"image header declares too many pixels ({e}); the limit is "
-                                         f"{limits.max_pixels} pixels") from None
+    except Image.DecompressionBombError:
+        raise _too_many_pixels(_declared_size(data), limits) from None
     except UnidentifiedImageError:
         raise MediaError("media_corrupt", f"{len(data)} bytes are not a recognisable image") from None
     except _CORRUPT_ERRORS as e:
@@ -138,11 +137,35 @@ def decode_image(data: bytes, limits: ImageDecodeLimits = ImageDecodeLimits(), m
         if fmt not in limits.formats:
             raise MediaError("media_format", f"image format {img.format} is not accepted; accepted: "
                                              f"{list(limits.formats)}")
-        width, height = img.size
-        if width * height > limits.max_pixels:
-            raise MediaError("media_pixels", f"image is {width}x{height} = {width * height} pixels; "
-                                             f"the limit is {limits.max_pixels} pixels")
+        if img.size[0] * img.size[1] > limits.max_pixels:
+            raise _too_many_pixels(img.size, limits)
         return _decode_checked(img, data, fmt, limits, mode)
+
+
+def _too_many_pixels(size: tuple[int, int] | None, limits: ImageDecodeLimits) -> MediaError:
+    """Our limit and the image's declared size; never PIL's own bomb limit, which is not the one that applies."""
+    if size is None:
+        return MediaError("media_pixels", f"image header declares more pixels than the limit of "
+                                          f"{limits.max_pixels} pixels")
+    width, height = size
+    return MediaError("media_pixels", f"image is {width}x{height} = {width * height} pixels; "
+                                      f"the limit is {limits.max_pixels} pixels")
+
+
+def _declared_size(data: bytes) -> tuple[int, int] | None:
+    """The (width, height) an image header declares, read as Image.open does but without PIL's bomb check
+    (which refused the file before its size could be reported). Headers only: nothing is decoded."""
+    prefix = data[:16]
+    for name in Image.ID:
+        factory, accept = Image.OPEN[name]
+        if accept is not None and accept(prefix) is not True:
+            continue
+        try:
+            with factory(io.BytesIO(data), "") as img:
+                return img.size
+        except _CORRUPT_ERRORS:
+            continue
+    return None
 
 
 def _decode_checked(img: Image.Image, data: bytes, fmt: str, limits: ImageDecodeLimits, mode: str) -> DecodedImage:

@@ -134,6 +134,14 @@ def test_pixel_bomb_is_rejected_from_the_header(side):
     assert time.monotonic() - start < 0.5  # nothing was decoded
 
 
+@pytest.mark.parametrize("side", [50_000, 5_000])
+def test_pixel_bomb_error_gives_our_limit_and_the_image_size_only(side):
+    with pytest.raises(MediaError) as e:
+        decode_image(_bomb_png(side, side))
+    assert e.value.message == f"image is {side}x{side} = {side * side} pixels; the limit is {4096 * 4096} pixels"
+    assert "decompression bomb" not in str(e.value) and str(2 * Image.MAX_IMAGE_PIXELS) not in str(e.value)
+
+
 def test_truncated_and_garbage_are_corrupt():
     data = encode_image(_gradient(), "png")
     for bad in (data[: len(data) // 2], b"\x00garbage" * 100, b""):

@@ -243,6 +243,18 @@ def test_edit_errors_name_the_field(server):
     assert_error(as_text, 400, None, "invalid_content_type")
 
 
+def test_edit_pixel_bomb_names_our_limit_and_its_size(server):
+    import struct
+    import zlib
+
+    png = bytearray(png_bytes(1, 1))  # a valid PNG whose header is patched to declare 50000x50000 (CRC redone)
+    png[16:24] = struct.pack(">II", 50_000, 50_000)
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))
+    error = assert_error(edit(server, {"image": ("bomb.png", bytes(png), "image/png")}), 413, "image", "media_pixels")
+    assert "50000x50000 = 2500000000 pixels" in error["message"] and str(4096 * 4096) in error["message"]
+    assert "decompression bomb" not in error["message"] and "178956970" not in error["message"], error
+
+
 def huge_png() -> bytes:
     """A 1-bit 4100x4100 PNG: a few KB on the wire, over the decoder's 4096x4096 pixel limit."""
     import io
