@@ -2,9 +2,11 @@
 
 Each input line (OpenAI's batch format) gives one output line, written as soon as it finishes
 (appended, flushed and fsynced): successes and failures alike, each with its `custom_id`. Rerun
-with the same output path and the lines whose `custom_id` is already there are skipped; a
-half-written last line (the process was killed mid-write) is dropped first. A malformed line
-without a custom_id is recorded as "#line<N>". Progress and ETA go to stderr.
+with the same output path and the lines whose `custom_id` is already there are skipped (failed
+ones too: delete a line from the output to run it again); a half-written last line (the process
+was killed mid-write) is dropped first. A malformed line without a custom_id is recorded as
+"#line<N>". Progress and ETA go to stderr. The exit status is 0 when the output holds a success
+for every input line, 1 when any line failed (in this run or an earlier one), 2 for a usage error.
 
 Without --server the models load in this process (the demo models, or --config/--model) and
 lines go through the same endpoint code the server runs (serve/batch_lines.py).
@@ -80,10 +82,13 @@ def _in_process(args):
 
 async def run_file(client: httpx.AsyncClient, input_path: Path, output_path: Path, endpoint: str | None,
                    concurrency: int) -> int:
-    """Run every line of `input_path` not yet in `output_path`; returns 0 if all succeeded, else 1."""
+    """Run every line of `input_path` not yet in `output_path`. Returns 0 when every input line has a success
+    in the output, else 1: a rerun that skips an earlier failure still reports it."""
     lines = split_lines(input_path.read_bytes())
     done = _completed_ids(output_path)
-    todo = [(i, text) for i, text in enumerate(lines) if _line_id(text, i) not in done]
+    ids = [_line_id(text, i) for i, text in enumerate(lines)]
+    todo = [(i, text) for i, text in enumerate(lines) if ids[i] not in done]
+    failed_before = sum(1 for i in ids if done.get(i) is False)
     total, skipped, failed = len(lines), len(lines) - len(todo), 0
     start = time.monotonic()
     finished = 0
@@ -108,9 +113,9 @@ async def run_file(client: httpx.AsyncClient, input_path: Path, output_path: Pat
 
         async with client:
             await asyncio.gather(*(one(i, text) for i, text in todo))
-    print(f"\n{output_path}: {finished} line(s) run ({failed} failed), {skipped} already done, {total} in all",
-          file=sys.stderr)
-    return 1 if failed else 0
+    print(f"\n{output_path}: {finished} line(s) run ({failed} failed), {skipped} already done "
+          f"({failed_before} of them failed), {total} in all", file=sys.stderr)
+    return 1 if failed or failed_before else 0
 
 
 def _line_id(text: str, index: int) -> str:
@@ -122,22 +127,31 @@ def _line_id(text: str, index: int) -> str:
     return custom_id if isinstance(custom_id, str) and custom_id else f"#line{index + 1}"
 
 
-def _completed_ids(path: Path) -> set[str]:
-    """custom_ids already in the output; a torn last line (no newline) is cut off first."""
+def _completed_ids(path: Path) -> dict[str, bool]:
+    """custom_id -> whether it succeeded, for the lines already in the output; a torn last line (no newline)
+    is cut off first."""
     if not path.exists():
-        return set()
+        return {}
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         data = data[: data.rfind(b"\n") + 1]
         with open(path, "r+b") as f:
             f.truncate(len(data))
-    ids = set()
+    ids: dict[str, bool] = {}
     for line in data.decode("utf-8", errors="replace").splitlines():
         try:
-            ids.add(json.loads(line)["custom_id"])
+            record = json.loads(line)
+            ids[record["custom_id"]] = _succeeded(record)
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # not one of our records: rerunning its line is the safe choice
     return ids
+
+
+def _succeeded(record: dict) -> bool:
+    """An output record is a success when it has no error and its response's status is 2xx (as run_line says)."""
+    response = record.get("response")
+    status = response.get("status_code") if isinstance(response, dict) else None
+    return record.get("error") is None and isinstance(status, int) and 200 <= status < 300
 
 
 def _progress(done: int, total: int, ran: int, to_run: int, start: float) -> None:
