@@ -6,8 +6,12 @@ hides client disconnects from the handlers that watch for them.
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+CANCELLED_STATUS = 499  # nginx's "client closed request"; the status of the engine's `cancelled` error
 
 
 class RequestCounter:
@@ -19,7 +23,7 @@ class RequestCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500  # if the app raises before answering, the error middleware outside answers 500
+        status: int | None = None  # the status answered, once the response starts
 
         async def send_and_note(message: Message) -> None:
             nonlocal status
@@ -29,7 +33,14 @@ class RequestCounter:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except asyncio.CancelledError:
+            # Cancelled before answering (a batch's in-flight lines when the batch is cancelled): nobody saw a
+            # 500. Counted as 499, as a client that disconnects is (the engine's `cancelled` error is a 499).
+            status = CANCELLED_STATUS if status is None else status
+            raise
         finally:
+            # If the app raised before answering, the error middleware outside answers 500.
+            status = 500 if status is None else status
             # The router writes the matched route into the scope; unmatched paths share one label.
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"

@@ -1,8 +1,8 @@
 """/v1/files, /v1/batches and /v1/videos through a real server process with its job store in a tmp data dir.
 
 The official openai client drives files and batches over chat, embeddings and images lines on the tiny demo
-models; a batch with bad lines reports them per line; SIGKILL mid-batch (and mid-video, when the video
-pipelines exist) and a restart on the same data dir finish every job with exactly one output line per input line.
+models; a batch with bad lines reports them per line; SIGKILL mid-batch and mid-video and a restart on the same
+data dir finish every job with exactly one output line per input line.
 """
 
 from __future__ import annotations
@@ -17,18 +17,12 @@ import openai
 import pytest
 
 try:
-    from tests.test_serve_support import Server, wait_for
+    from tests.test_serve_support import Server, metric, wait_for
 except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from test_serve_support import Server, wait_for
+    from test_serve_support import Server, metric, wait_for
 
 VIDEO = {"model": "wan-demo", "prompt": "a boat", "size": "32x32", "num_frames": 5, "num_inference_steps": 4}
 CHAT = {"model": "llama-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
-
-
-def _has_video() -> bool:
-    from pipelines.engine import Engine
-
-    return hasattr(Engine, "submit_video")
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +30,8 @@ def models(tmp_path_factory):
     from pipelines.demo import build_demo_model
 
     root = tmp_path_factory.mktemp("batch-models")
-    built = {name: build_demo_model(name, root / name) for name in ("llama", "clip", "sd", "vits", "whisper")}
-    if _has_video():
-        built["wan"] = build_demo_model("wan", root / "wan")
-        built["wan-i2v"] = build_demo_model("wan-i2v", root / "wan-i2v")
-    return built
+    names = ("llama", "clip", "sd", "vits", "whisper", "wan", "wan-i2v")
+    return {name: build_demo_model(name, root / name) for name in names}
 
 
 def _config(models, data_dir, names=("llama", "clip", "sd", "vits", "whisper", "wan", "wan-i2v")) -> str:
@@ -162,6 +153,25 @@ def test_batch_cancel(client):
     assert batch.status == "cancelled" and batch.request_counts.completed < 40
 
 
+def test_batch_cancel_counts_in_flight_lines_as_cancelled_not_500(client, server):
+    route = "/v1/images/generations"
+    counts = lambda status: metric(server.url, "mmserve_requests_total", route=route, status=status)  # noqa: E731
+    before_499, before_500 = counts("499"), counts("500")
+    slow = {"model": "sd-demo", "prompt": "a slow one", "size": "512x512", "num_inference_steps": 200,
+            "response_format": "b64_json"}
+    lines = [{"custom_id": f"s{i}", "url": route, "body": slow} for i in range(4)]
+    f = client.files.create(file=("slow.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=route, completion_window="24h")
+    # batch_line_concurrency = 2: two lines are inside the app, denoising, when the batch is cancelled
+    busy = lambda: metric(server.url, "mmserve_stage_active_items", stage="sd-demo/denoise") == 2  # noqa: E731
+    assert wait_for(busy, timeout_s=60), server.log_tail()
+    client.batches.cancel(batch.id)
+    batch = _wait_batch(client, batch.id)
+    assert batch.status == "cancelled" and batch.request_counts.completed == 0
+    assert wait_for(lambda: counts("499") == before_499 + 2, timeout_s=30), (counts("499"), counts("500"))
+    assert counts("500") == before_500  # no client saw a 500
+
+
 # -- crash safety ------------------------------------------------------------------------------------
 
 
@@ -175,13 +185,12 @@ def test_sigkill_mid_batch_then_restart_completes_every_line_once(models, tmp_pa
         c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
         f = c.files.create(file=("crash.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
         batch = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        video = None
-        if "wan" in models:  # enough steps to still be running when the batch has 5 lines done (no race)
-            video = httpx.post(f"{srv.url}/v1/videos", json={**VIDEO, "num_inference_steps": 200}, timeout=30).json()
+        # enough steps to still be running when the batch has 5 lines done (no race)
+        video = httpx.post(f"{srv.url}/v1/videos", json={**VIDEO, "num_inference_steps": 200}, timeout=30).json()
         assert wait_for(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 5, timeout_s=30)
         assert c.batches.retrieve(batch.id).status == "in_progress"
-        if video is not None:  # killed mid-run: the restart runs it again from the beginning
-            assert httpx.get(f"{srv.url}/v1/videos/{video['id']}").json()["status"] in ("queued", "in_progress")
+        # killed mid-run: the restart runs it again from the beginning
+        assert httpx.get(f"{srv.url}/v1/videos/{video['id']}").json()["status"] in ("queued", "in_progress")
     finally:
         srv.proc.kill()  # SIGKILL: no shutdown code runs
         srv.proc.wait(10)
@@ -194,9 +203,8 @@ def test_sigkill_mid_batch_then_restart_completes_every_line_once(models, tmp_pa
         ids = [r["custom_id"] for r in _records(c, done.output_file_id)]
         assert sorted(ids) == sorted(x["custom_id"] for x in lines) and len(ids) == 50  # once each, none lost
         assert done.error_file_id is None
-        if video is not None:
-            status = lambda: httpx.get(f"{srv.url}/v1/videos/{video['id']}").json()  # noqa: E731
-            assert wait_for(lambda: status()["status"] == "completed", timeout_s=120), status()
+        status = lambda: httpx.get(f"{srv.url}/v1/videos/{video['id']}").json()  # noqa: E731
+        assert wait_for(lambda: status()["status"] == "completed", timeout_s=120), status()
     finally:
         srv.stop()
 
@@ -204,7 +212,6 @@ def test_sigkill_mid_batch_then_restart_completes_every_line_once(models, tmp_pa
 # -- videos ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not _has_video(), reason="the video pipelines (Engine.submit_video) are not built yet")
 def test_video_job_lifecycle(server):
     import av
 
@@ -239,7 +246,6 @@ def test_video_job_lifecycle(server):
     assert listing["has_more"] and len(listing["data"]) == 1
 
 
-@pytest.mark.skipif(not _has_video(), reason="the video pipelines (Engine.submit_video) are not built yet")
 def test_video_bad_input_is_refused_up_front(server):
     try:
         from tests.test_serve_support import png_bytes
@@ -259,7 +265,6 @@ def test_video_bad_input_is_refused_up_front(server):
     assert corrupt.status_code == 400 and corrupt.json()["error"]["param"] == "input_reference", corrupt.text
 
 
-@pytest.mark.skipif(not _has_video(), reason="the video pipelines (Engine.submit_video) are not built yet")
 @pytest.mark.parametrize("how", ["multipart", "json-data-uri", "json-image-url"])
 def test_image_to_video_job_end_to_end(server, how):
     import av
@@ -292,7 +297,6 @@ def test_image_to_video_job_end_to_end(server, how):
     assert len(frames) == 5 and (frames[0].width, frames[0].height) == (32, 32)
 
 
-@pytest.mark.skipif(not _has_video(), reason="the video pipelines (Engine.submit_video) are not built yet")
 def test_image_to_video_bad_reference_is_refused_up_front(server):
     body = {**VIDEO, "model": "wan-i2v-demo"}
     missing = httpx.post(f"{server.url}/v1/videos", json=body, timeout=30)  # i2v without an image
