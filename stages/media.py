@@ -8,14 +8,11 @@ start-up cheap and its address space small.
 
 from __future__ import annotations
 
-import importlib
-
 import hashlib
+import importlib
 import io
-import os
-import signal
 import struct
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,41 +190,6 @@ def _decode_checked(img: Image.Image, data: bytes, fmt: str, limits: ImageDecode
                         content_hash=h.hexdigest())
 
 
-# Harmless functions that let tests exercise worker isolation for real (crash, hang, CPU, memory).
-
-def _test_echo(value: object) -> tuple[int, object]:
-    """Returns (worker pid, value): shows the call crossed into a worker and which one."""
-    return os.getpid(), value
-
-
-def _test_sleep(seconds: float) -> tuple[int, float, float]:
-    """Sleeps; returns (pid, start, end) wall times so tests can measure concurrency."""
-    start = time.time()
-    time.sleep(seconds)
-    return os.getpid(), start, time.time()
-
-
-def _test_crash(how: str = "exit") -> None:
-    """Dies without reporting: os._exit ("exit") or a segmentation fault signal ("segv")."""
-    if how == "segv":
-        os.kill(os.getpid(), signal.SIGSEGV)
-    os._exit(3)
-
-
-def _test_burn_cpu(seconds: float) -> float:
-    """Busy-loops until `seconds` of CPU time are used; returns the CPU time used."""
-    start = time.process_time()
-    while time.process_time() - start < seconds:
-        pass
-    return time.process_time() - start
-
-
-def _test_allocate(mb: int) -> int:
-    """Allocates and touches `mb` MiB; returns the size."""
-    block = np.ones(mb * 1024 * 1024, dtype=np.uint8)
-    return int(block.size)
-
-
 # What a worker agrees to run, by name -> module: the API process can ask for nothing else. A
 # worker imports only the module of the function it runs (video never loads for an image task).
 WORKER_FUNCTIONS = {
@@ -235,11 +197,13 @@ WORKER_FUNCTIONS = {
     "probe_video": "stages.media_video", "decode_video": "stages.media_video", "encode_video": "stages.media_video",
     "encode_fmp4_segment": "stages.media_video_encode",
     "probe_audio": "stages.media_audio", "decode_audio": "stages.media_audio", "encode_audio": "stages.media_audio",
-    **{name: "stages.media" for name in ("_test_echo", "_test_sleep", "_test_crash", "_test_burn_cpu", "_test_allocate")},
 }
 
 
-def worker_function(name: str):
-    """The function a worker runs for `name`, or None when it is not a media worker function."""
-    module = WORKER_FUNCTIONS.get(name)
+def worker_function(name: str, extra: Mapping[str, str] | None = None):
+    """The function a worker runs for `name`, or None when it is not a media worker function.
+
+    `extra` (name -> module) adds functions to WORKER_FUNCTIONS for one pool (the tests' crash, hang
+    and memory functions); it never replaces one."""
+    module = WORKER_FUNCTIONS.get(name) or (extra or {}).get(name)
     return None if module is None else getattr(importlib.import_module(module), name)

@@ -14,6 +14,7 @@ waits for the reply with the wall-clock deadline, and replaces the worker if it 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
-from stages.media import MediaError, worker_function
+from stages.media import WORKER_FUNCTIONS, MediaError
 
 if TYPE_CHECKING:
     from stages.metrics import Metrics
@@ -41,13 +43,14 @@ log = logging.getLogger(__name__)
 
 _MB = 1024 * 1024
 _STARTUP_TIMEOUT_S = 60.0  # a fresh interpreter importing numpy + PIL takes ~0.3 s; allow a loaded host
-_WORKER_CMD = "import sys; from stages.media_pool import _worker_main; _worker_main(int(sys.argv[1]), int(sys.argv[2]))"
+_WORKER_CMD = ("import sys; from stages.media_pool import _worker_main; "
+               "_worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])")
 
 
 @dataclass
 class _Task:  # parent-side record of one submitted call
     task_id: int  # matches the reply to the request
-    fn_name: str  # a name in stages.media.WORKER_FUNCTIONS
+    fn_name: str  # a name in stages.media.WORKER_FUNCTIONS or the pool's extra_functions
     args: tuple  # positional arguments, pickled to the worker
     kwargs: dict  # keyword arguments, pickled to the worker
     future: Future  # resolved with the result or a MediaError
@@ -57,7 +60,7 @@ class _Task:  # parent-side record of one submitted call
 @dataclass
 class _Request:  # parent -> worker
     task_id: int  # echoed in the reply
-    fn_name: str  # looked up in WORKER_FUNCTIONS by the worker, again
+    fn_name: str  # looked up by the worker, again, in WORKER_FUNCTIONS and the extra functions it was started with
     args: tuple  # positional arguments
     kwargs: dict  # keyword arguments
     cpu_s: float  # CPU seconds this task may use on top of what the worker used so far
@@ -86,7 +89,7 @@ class MediaPool:
     """N media worker processes; `submit` queues a call and returns a Future."""
 
     def __init__(self, workers: int, task_cpu_s: float, task_memory_mb: int, task_timeout_s: float,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, extra_functions: Mapping[str, str] | None = None):
         if workers < 1:
             raise ValueError(f"media pool workers must be >= 1, got {workers}")
         if task_cpu_s <= 0 or task_timeout_s <= 0:
@@ -96,6 +99,12 @@ class MediaPool:
         self.task_memory_mb = task_memory_mb  # address-space limit per worker (RLIMIT_AS); 0 = none
         self.task_timeout_s = task_timeout_s  # wall clock per task; the parent kills a worker past it
         self.metrics = metrics
+        # name -> module, added to stages.media.WORKER_FUNCTIONS for this pool only (the tests' crash, hang and
+        # memory functions); the engine's pool passes none, so the server runs only the media functions.
+        self.extra_functions = dict(extra_functions or {})
+        shadowed = sorted(set(self.extra_functions) & set(WORKER_FUNCTIONS))
+        if shadowed:
+            raise ValueError(f"extra_functions may not replace media worker functions: {shadowed}")
         self.tasks_done = 0  # tasks finished, successfully or not
         self.tasks_failed = 0  # tasks finished with an error
         self.workers_replaced = 0  # workers lost to a crash, a limit or a hang
@@ -121,7 +130,7 @@ class MediaPool:
 
     def submit(self, fn_name: str, *args: Any, **kwargs: Any) -> Future:
         """Queue `stages.media.<fn_name>(*args, **kwargs)`; the Future gets its result or a MediaError."""
-        if worker_function(fn_name) is None:
+        if fn_name not in WORKER_FUNCTIONS and fn_name not in self.extra_functions:
             raise ValueError(f"{fn_name!r} is not a media worker function (see stages.media.WORKER_FUNCTIONS)")
         self.start()
         future: Future = Future()
@@ -260,7 +269,8 @@ class MediaPool:
         env["CUDA_VISIBLE_DEVICES"] = ""  # a codec never needs a GPU
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = "1"  # parallelism comes from the worker count; thread pools only eat address space
-        cmd = [sys.executable, "-c", _WORKER_CMD, str(child_sock.fileno()), str(self.task_memory_mb)]
+        cmd = [sys.executable, "-c", _WORKER_CMD, str(child_sock.fileno()), str(self.task_memory_mb),
+               json.dumps(self.extra_functions)]
         try:
             proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL)
         except OSError as e:
@@ -318,9 +328,12 @@ class _WorkerLost(Exception):
 
 # -- inside the child ---------------------------------------------------------------------------
 
-def _worker_main(fd: int, memory_mb: int) -> None:
-    """Serve requests on `fd` until the parent says stop or goes away."""
+def _worker_main(fd: int, memory_mb: int, extra_functions_json: str = "{}") -> None:
+    """Serve requests on `fd` until the parent says stop or goes away; run only WORKER_FUNCTIONS and the
+    extra functions (a JSON object, name -> module) the parent started this worker with."""
     import stages.media as media
+
+    extra_functions = json.loads(extra_functions_json)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the server; it stops us via the pipe
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU/SIGSEGV must not leave core files
@@ -339,7 +352,7 @@ def _worker_main(fd: int, memory_mb: int) -> None:
             return
         _set_cpu_budget(request.cpu_s)
         try:
-            function = media.worker_function(request.fn_name)
+            function = media.worker_function(request.fn_name, extra_functions)
             if function is None:
                 raise MediaError("media_worker", f"{request.fn_name!r} is not a media worker function")
             value = function(*request.args, **request.kwargs)

@@ -13,9 +13,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stages.media import DecodedImage, ImageDecodeLimits, MediaError, decode_image, encode_image
+from stages.media import WORKER_FUNCTIONS, DecodedImage, ImageDecodeLimits, MediaError, decode_image, encode_image
 from stages.media_pool import MediaPool
 from stages.metrics import Metrics
+
+try:
+    from tests.media_worker_tasks import TEST_FUNCTIONS
+except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+    from media_worker_tasks import TEST_FUNCTIONS
 
 
 def _gradient(h: int = 48, w: int = 64) -> np.ndarray:
@@ -172,7 +177,8 @@ def test_media_error_pickles():
 
 @pytest.fixture(scope="module")
 def pool():
-    with MediaPool(workers=2, task_cpu_s=5, task_memory_mb=768, task_timeout_s=10, metrics=Metrics()) as p:
+    with MediaPool(workers=2, task_cpu_s=5, task_memory_mb=768, task_timeout_s=10, metrics=Metrics(),
+                   extra_functions=TEST_FUNCTIONS) as p:
         yield p
 
 
@@ -215,7 +221,8 @@ def test_crash_fails_only_its_task(pool, how):
 
 def test_cpu_burn_past_the_limit_is_a_timeout():
     # A wall clock far above the CPU limit: on a busy host 2 CPU seconds can take many wall seconds.
-    with MediaPool(workers=1, task_cpu_s=1, task_memory_mb=0, task_timeout_s=60) as pool:
+    with MediaPool(workers=1, task_cpu_s=1, task_memory_mb=0, task_timeout_s=60,
+                   extra_functions=TEST_FUNCTIONS) as pool:
         with pytest.raises(MediaError) as e:
             pool.run("_test_burn_cpu", 30)
         assert _code(e) == "media_timeout" and "task_cpu_s=1" in e.value.message
@@ -243,6 +250,21 @@ def test_bad_calls_are_refused_without_losing_a_worker(pool):
     assert pool.workers_replaced == replaced
 
 
+def test_test_functions_exist_only_where_a_test_registers_them():
+    import stages.media as media
+
+    assert not [name for name in dir(media) if name.startswith("_test")]
+    assert not [name for name in WORKER_FUNCTIONS if name.startswith("_test")]
+    with MediaPool(workers=1, task_cpu_s=5, task_memory_mb=0, task_timeout_s=5) as production:  # as the engine's
+        for name in TEST_FUNCTIONS:
+            with pytest.raises(ValueError, match="not a media worker function"):
+                production.submit(name, 1)
+        assert production.run("encode_image", _gradient(), "png")[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="may not replace"):
+        MediaPool(workers=1, task_cpu_s=5, task_memory_mb=0, task_timeout_s=5,
+                  extra_functions={"decode_image": TEST_FUNCTIONS["_test_echo"]})
+
+
 def test_tasks_beyond_the_workers_queue_and_all_finish(pool):
     start = time.monotonic()
     futures = [pool.submit("_test_sleep", 0.3) for _ in range(6)]
@@ -258,7 +280,8 @@ def test_tasks_beyond_the_workers_queue_and_all_finish(pool):
 
 
 def test_hang_hits_the_wall_timeout_and_the_worker_is_replaced():
-    with MediaPool(workers=1, task_cpu_s=60, task_memory_mb=0, task_timeout_s=0.5) as pool:
+    with MediaPool(workers=1, task_cpu_s=60, task_memory_mb=0, task_timeout_s=0.5,
+                   extra_functions=TEST_FUNCTIONS) as pool:
         first_pid = pool.run("_test_echo", 0)[0]
         start = time.monotonic()
         with pytest.raises(MediaError) as e:
@@ -270,7 +293,7 @@ def test_hang_hits_the_wall_timeout_and_the_worker_is_replaced():
 
 
 def test_closed_pool_refuses_work():
-    pool = MediaPool(workers=1, task_cpu_s=5, task_memory_mb=0, task_timeout_s=5)
+    pool = MediaPool(workers=1, task_cpu_s=5, task_memory_mb=0, task_timeout_s=5, extra_functions=TEST_FUNCTIONS)
     assert pool.run("_test_echo", 1)[1] == 1
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -278,7 +301,8 @@ def test_closed_pool_refuses_work():
 
 
 def test_memory_limit_below_the_worker_baseline_teaches():
-    with MediaPool(workers=1, task_cpu_s=5, task_memory_mb=100, task_timeout_s=5) as pool:
+    with MediaPool(workers=1, task_cpu_s=5, task_memory_mb=100, task_timeout_s=5,
+                   extra_functions=TEST_FUNCTIONS) as pool:
         with pytest.raises(MediaError) as e:
             pool.run("_test_echo", 1)
     assert _code(e) == "media_worker" and "task_memory_mb=100" in e.value.message

@@ -31,6 +31,11 @@ from stages.media_video import (
 )
 from stages.media_video_encode import FragmentedMP4Writer, encode_video
 
+try:
+    from tests.media_worker_tasks import TEST_FUNCTIONS
+except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+    from media_worker_tasks import TEST_FUNCTIONS
+
 H, W, FPS, N = 64, 96, 30, 90  # test clips: 96x64, 30 fps, 3 s
 _BITS = 12  # painted bits: indices up to 4095
 
@@ -331,7 +336,8 @@ def test_decode_in_worker_and_bombs_stay_small():
     data = _video("mp4", "h264", 12)
     assert {"probe_video", "decode_video", "encode_video"} <= set(WORKER_FUNCTIONS)
     assert worker_function("decode_video") is decode_video
-    with MediaPool(workers=1, task_cpu_s=30, task_memory_mb=1024, task_timeout_s=60) as pool:
+    with MediaPool(workers=1, task_cpu_s=30, task_memory_mb=1024, task_timeout_s=60,
+                   extra_functions=TEST_FUNCTIONS) as pool:
         out = pool.run("decode_video", data, fps=2, start_s=0.1)
         assert out.indices == _painted(out) == [3, 18, 33, 48, 63, 78] and not out.frames.flags.writeable
         pid = pool.run("_test_echo", None)[0]
