@@ -7,6 +7,7 @@ from typing import Any
 
 from pipelines.chat_parts import checked_message
 from pipelines.request import RequestError
+from pipelines.token_bound import max_chars_per_token
 from stages.graph_metrics import MetricsObserver
 from stages.graph_runner import GraphConfig
 from stages.llm.params import SamplingParams
@@ -24,6 +25,8 @@ class ChatRequest:
 
     messages: list[dict[str, Any]] | None = None  # OpenAI chat messages
     prompt: str | list[int] | None = None  # completions: text or token ids
+    # completions with a list of prompts (text or token ids each): they run together, errors name prompt[i]
+    prompts: list[str | list[int]] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"  # enters the prefix-cache namespace
 
@@ -60,6 +63,8 @@ class ChatModel:
 
             use_fused_norms(self.runner.model)
         self.weights_id = f"{LLM_FAMILY}:{path}"
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)  # None: no refusal before tokenizing
+        self._tokenized_chars = metrics.llm_tokenized_chars.labels(model=name)
         self.stage = self._llm_stage(config, metrics)
 
     def _llm_stage(self, config: LLMConfig, metrics: Metrics) -> LLMStage:
@@ -77,34 +82,63 @@ class ChatModel:
             request.params.check_vocab(self.runner.vocab_size)
         except ValueError as e:
             raise RequestError(str(e).split(" ")[0].strip(":"), str(e)) from None
-        ids = self._prompt_ids(request)
+        if sum(x is not None for x in (request.messages, request.prompt, request.prompts)) != 1:
+            raise RequestError("messages", "send either messages (chat) or prompt (completions)")
+        if request.messages is not None:
+            prompts = [self._checked_ids(self._chat_ids(request.messages), "messages")]
+        elif request.prompt is not None:
+            prompts = [self._checked_ids(self._completion_ids(request.prompt, "prompt"), "prompt")]
+        else:
+            if not request.prompts:
+                raise RequestError("prompt", "the list of prompts is empty")
+            for i, p in enumerate(request.prompts):  # every length first: a far too long one costs no tokenizing
+                if isinstance(p, str):
+                    self._check_chars(p, f"prompt[{i}]")
+            prompts = [self._checked_ids(self._completion_ids(p, f"prompt[{i}]"), f"prompt[{i}]")
+                       for i, p in enumerate(request.prompts)]
+        return GenerationRequest(prompts[0], request.params, (self.weights_id, None, request.tenant),
+                                 more_prompts=tuple(prompts[1:]))
+
+    def _checked_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
         if not ids:
-            raise RequestError("prompt" if request.messages is None else "messages", "the prompt is empty")
+            raise RequestError(param, "the prompt is empty")
         limit = self.runner.max_context
         if len(ids) >= limit:
-            raise RequestError("prompt" if request.messages is None else "messages",
-                               f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
+            raise RequestError(param, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
                                code="context_length_exceeded")
-        return GenerationRequest(tuple(ids), request.params, (self.weights_id, None, request.tenant))
+        return tuple(ids)
 
-    def _prompt_ids(self, request: ChatRequest) -> list[int]:
-        if (request.messages is None) == (request.prompt is None):
-            raise RequestError("messages", "send either messages (chat) or prompt (completions)")
-        if request.prompt is not None:
-            if isinstance(request.prompt, str):
-                return self.tokenizer(request.prompt, add_special_tokens=True).input_ids
-            vocab = self.runner.vocab_size
-            bad = [t for t in request.prompt if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise RequestError("prompt", f"token ids must be in [0, {vocab}); got {bad[:5]}")
-            return list(request.prompt)
-        messages = [_checked_message(m, i) for i, m in enumerate(request.messages)]
+    def _completion_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        if isinstance(prompt, str):
+            return self._tokenize(prompt, param, add_special_tokens=True)
+        vocab = self.runner.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(param, f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        return list(prompt)
+
+    def _chat_ids(self, raw_messages: list[Any]) -> list[int]:
+        messages = [_checked_message(m, i) for i, m in enumerate(raw_messages)]
         if not messages:
             raise RequestError("messages", "messages must hold at least one message")
         if not self.tokenizer.chat_template:
             raise RequestError("messages", f"model {self.name} has no chat template; use /v1/completions")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        # Rendered, then tokenized as apply_chat_template(tokenize=True) does, so the length is checked in between.
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._tokenize(text, "messages", add_special_tokens=False)
+
+    def _tokenize(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        """The token ids of `text`; refused unread when its characters alone cannot fit the context."""
+        self._check_chars(text, param)
+        self._tokenized_chars.inc(len(text))
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def _check_chars(self, text: str, param: str) -> None:
+        bound, limit = self.max_chars_per_token, self.runner.max_context
+        if bound is not None and len(text) >= limit * bound:  # >= limit tokens, whatever the text says
+            raise RequestError(param, f"the prompt is {len(text)} characters, so at least {-(-len(text) // bound)} "
+                               f"tokens (no token of this model covers more than {bound} characters); this model's "
+                               f"context is {limit} tokens", code="context_length_exceeded")
 
 
 def _checked_message(message: Any, i: int) -> dict[str, str]:

@@ -23,6 +23,7 @@ from encoders.vision import EncodeTask, MediaItem, adapter_class
 from pipelines.chat import ChatModel, ChatRequest, LLMConfig
 from pipelines.chat_parts import ParsedChat, VLMConfig, parse_messages
 from pipelines.request import RequestError
+from pipelines.token_bound import max_chars_per_token
 from stages.llm import attention
 from stages.llm.multimodal import MediaSpan, MRoPE
 from stages.llm.runner import DTYPES, ModelRunner
@@ -57,22 +58,23 @@ class VLMChatModel(ChatModel):
         self.runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
                                   kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
                                   mrope=self.adapter.uses_mrope)
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)  # None: no refusal before tokenizing
+        self._tokenized_chars = metrics.llm_tokenized_chars.labels(model=name)
         self.stage = self._llm_stage(config, metrics)
         self.encode_stage = VisionEncodeStage(name, self.adapter, cache, metrics, vlm.max_items_per_forward)
 
     # -- text-only requests (ChatModel.generation_request) ------------------------------------------
-    def _prompt_ids(self, request: ChatRequest) -> list[int]:
-        if request.messages is None:
-            ids = super()._prompt_ids(request)
-        else:
-            parsed = self.parse(request)
-            if parsed.media:
-                raise RequestError("messages", "requests with image or video parts go through Engine.asubmit_chat")
-            ids = self._render(parsed, [])
+    def _chat_ids(self, raw_messages: list) -> list[int]:
+        parsed = parse_messages(raw_messages, self.vlm)
+        if parsed.media:
+            raise RequestError("messages", "requests with image or video parts go through Engine.asubmit_chat")
+        return self._render(parsed, [])
+
+    def _checked_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
         if set(ids) & set(self.adapter.token_ids.values()):  # a placeholder without features: refuse, never guess
-            raise RequestError("prompt" if request.messages is None else "messages", "the prompt holds the model's "
-                               "image/video placeholder token but no image or video part")
-        return ids
+            raise RequestError(param, "the prompt holds the model's image/video placeholder token but no image or "
+                               "video part")
+        return super()._checked_ids(ids, param)
 
     # -- multimodal requests --------------------------------------------------------------------------
     def parse(self, request: ChatRequest) -> ParsedChat:
@@ -155,7 +157,7 @@ class VLMChatModel(ChatModel):
         if not renderer.chat_template:
             raise RequestError("messages", f"model {self.name} has no chat template; use /v1/completions")
         text = renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self._tokenize(text, "messages", add_special_tokens=False)  # refused unread when far too long
 
 
 async def load_media(engine, model: VLMChatModel, parsed: ParsedChat) -> list[list[MediaItem]]:

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from serve import routes_chat, routes_embeddings, routes_images, routes_speech, routes_system
 from serve import routes_batches, routes_transcriptions, routes_videos
 from serve import routes_realtime, routes_realtime_video
+from serve.body_limit import BodyLimit
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
 from serve.job_runner import JobPolicy, JobRunner
@@ -24,12 +25,16 @@ from serve.metrics import RequestCounter
 from realtime.sessions import registry_for
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # a JSON (non-multipart) request body; [server] max_body_bytes
+FORM_FIELDS_BYTES = 2**20  # a multipart body's text fields and part headers, beside its files
 
 
 def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: ImageStore | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, data_dir: str | Path | None = None,
-               job_policy: JobPolicy | None = None) -> FastAPI:
+               job_policy: JobPolicy | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The HTTP app. `api_keys` maps key -> tenant; None or empty: no auth, every caller is tenant "default".
+    `max_body_bytes` caps JSON bodies; multipart bodies may hold the largest upload a route admits (an image
+    edit's image and mask, a /v1/files upload) plus FORM_FIELDS_BYTES (serve/body_limit.py).
     `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists)."""
     if max_upload_bytes < 1:
         raise ValueError(f"max_upload_bytes must be >= 1, got {max_upload_bytes}")
@@ -66,5 +71,7 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.include_router(routes_realtime_video.router)
     app.include_router(routes_realtime.router)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, json_bytes=max_body_bytes,  # inside RequestCounter: its 413s are counted
+                       multipart_bytes=max(2 * max_upload_bytes, routes_batches.MAX_FILE_BYTES) + FORM_FIELDS_BYTES)
     app.add_middleware(RequestCounter, counter=engine.metrics.requests)
     return app

@@ -125,7 +125,7 @@ def _serve(args) -> int:
 
     engine = Engine(config)
     app = create_app(engine, api_keys=api_keys, data_dir=args.data_dir or server_cfg.data_dir,
-                     job_policy=loaded.jobs)
+                     job_policy=loaded.jobs, max_body_bytes=server_cfg.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, ws="auto", log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     failed = threading.Event()

@@ -6,6 +6,7 @@
     api_keys_file = "keys.json"   # relative paths are relative to this file
     demo_dir = "~/.cache/mmserve/demo"
     data_dir = "~/.local/share/mmserve"   # the job store: videos, files, batches (SQLite + result files)
+    max_body_bytes = 16777216     # a JSON request body (413 request_too_large above); uploads: serve/body_limit.py
 
     [jobs]                        # optional: serve.job_runner.JobPolicy
     batch_line_concurrency = 2    # batch lines in flight across all batches (batches yield to interactive requests)
@@ -122,10 +123,13 @@ class ServerConfig:
     api_keys_file: Path | None = None  # JSON or TOML mapping key -> tenant; None: no auth
     demo_dir: Path = DEFAULT_DEMO_DIR  # where demo checkpoints are built when no model is configured
     data_dir: Path = DEFAULT_DATA_DIR  # the job store (serve/jobs.py): jobs, uploaded files, results
+    max_body_bytes: int = 16 * 2**20  # a JSON (non-multipart) request body; larger ones answer 413
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in 0..65535, got {self.port}")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"server.max_body_bytes must be a whole number of bytes >= 1, got {self.max_body_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -243,7 +247,7 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
 
 
 def _server(table: dict[str, Any], base: Path) -> ServerConfig:
-    _only(table, ("host", "port", "api_keys_file", "demo_dir", "data_dir"), "[server]")
+    _only(table, ("host", "port", "api_keys_file", "demo_dir", "data_dir", "max_body_bytes"), "[server]")
     values = dict(table)
     if "api_keys_file" in values:
         values["api_keys_file"] = _path(values["api_keys_file"], base)

@@ -41,13 +41,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
+    prompt = body.prompt_fields()  # one prompt, or a list: they run together, choice k * n + j is prompt k's
     model = resolve_chat_model(engine, body.model)
     chat = engine.chat_model(model)
     params = body.sampling_params(chat.runner.vocab_size)
     reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", model, chat.tokenizer, params,
                             include_usage=body.include_usage)
-    handle = engine.submit_chat(model, ChatRequest(prompt=body.prompt, params=params, tenant=tenant),
-                                request_id=reply.id)
+    handle = engine.submit_chat(model, ChatRequest(**prompt, params=params, tenant=tenant), request_id=reply.id)
     return await respond(request, handle, reply, stream=body.stream)
 
 

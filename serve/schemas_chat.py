@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from pipelines.request import RequestError
-from stages.llm.params import SamplingParams
+from stages.llm.params import MAX_N, SamplingParams
 
 # SamplingParams fields a request may set under the same name.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -91,9 +91,11 @@ class SamplingFields(BaseModel):
             params = SamplingParams(**values)
             params.check_vocab(vocab_size)
         except ValueError as e:
-            field = str(e).split(" ", 1)[0]
-            known = field in SamplingParams.__dataclass_fields__
-            raise RequestError(names.get(field, field) if known else None, str(e)) from None
+            field, _, rest = str(e).partition(" ")
+            if field not in SamplingParams.__dataclass_fields__:
+                raise RequestError(None, str(e)) from None
+            sent = names.get(field, field)  # the message names the field the client sent, as param does
+            raise RequestError(sent, f"{sent} {rest}") from None
         return params
 
 
@@ -123,27 +125,38 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions (legacy): one prompt, as text or as token ids."""
+    """POST /v1/completions (legacy): one prompt (text or token ids) or a list of them, run together."""
 
-    prompt: Any  # a string or a list of token ids (a one-element batch of either is unwrapped)
+    prompt: Any  # a string, a list of token ids, or a list of those (see prompt_fields)
     logprobs: int | None = None  # top alternatives per position (0: the chosen token's only)
     echo: bool = False  # only false: the prompt is not echoed (no prompt logprobs are computed)
     best_of: int | None = None  # only equal to n (or null): each returned choice is one sampled sequence
     suffix: str | None = None  # only null: no insertion (fill-in-the-middle) support
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # a batch of one
+    def prompt_fields(self) -> dict[str, Any]:
+        """ChatRequest's `prompt` (one string or token-id list) or `prompts` (a list of them, as OpenAI takes:
+        strings and token-id lists; choice k * n + j is prompt k's j-th). Raises RequestError naming prompt[i]."""
+        v = self.prompt
         if isinstance(v, str):
-            return v
-        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            return v
-        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError("one prompt per request; send batched prompts as concurrent requests (they are "
-                             "batched on the server)")
-        raise ValueError("prompt must be a string or a non-empty list of token ids")
+            return {"prompt": v}
+        if not isinstance(v, list) or not v:
+            raise RequestError("prompt", "prompt must be a string, a list of token ids, or a list of strings or of "
+                               f"token-id lists; got {_kind(v)}")
+        if _is_token(v[0]):  # one prompt of token ids
+            for i, t in enumerate(v):
+                if not _is_token(t):
+                    raise RequestError(f"prompt[{i}]", f"a prompt of token ids holds integers only; prompt[{i}] is "
+                                       f"{_kind(t)}")
+            return {"prompt": v}
+        for i, p in enumerate(v):
+            if not (isinstance(p, str) or isinstance(p, list) and all(_is_token(t) for t in p)):
+                raise RequestError(f"prompt[{i}]", f"each prompt of a list must be a string or a list of token ids "
+                                   f"(integers); prompt[{i}] is {_kind(p)}")
+        n = self.n or 1
+        if len(v) * n > MAX_N:
+            raise RequestError("prompt", f"{len(v)} prompts with n={n} make {len(v) * n} choices; at most {MAX_N} "
+                               "per request")
+        return {"prompts": v}
 
     @field_validator("echo")
     @classmethod
@@ -173,6 +186,16 @@ class CompletionRequest(SamplingFields):
 
     def _param_names(self) -> dict[str, str]:
         return {"logprobs": "logprobs", "top_logprobs": "logprobs"}
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an empty list" if not value else "a list holding " + ", ".join(sorted({type(x).__name__ for x in value}))
+    return f"{type(value).__name__} {value!r}"[:80]
 
 
 # -- replies ------------------------------------------------------------------------------

@@ -44,6 +44,12 @@ class Metrics:
         self.llm_prefix_hit_tokens = Gauge("mmserve_llm_prefix_cache_hit_tokens", "Prompt tokens served from the "
                                            "prefix cache", ["model"], registry=r)
         self.llm_preemptions = Gauge("mmserve_llm_preemptions", "Sequences preempted (recompute)", ["model"], registry=r)
+        self.llm_forward_seqs = Histogram("mmserve_llm_forward_sequences", "Sequences in one forward of the llm "
+                                          "stage (prefill chunks and decodes)", ["model"], buckets=_BATCH_BUCKETS,
+                                          registry=r)
+        self.llm_tokenized_chars = Counter("mmserve_llm_tokenized_characters_total", "Prompt characters run through "
+                                           "the tokenizer (a prompt refused on its length alone adds none)",
+                                           ["model"], registry=r)
         # Graph runner (DESIGN §8): stage is "denoise" or "llm".
         self.graph_replays = Counter("mmserve_graph_replays_total", "Forwards replayed from a captured graph",
                                      ["stage", "model"], registry=r)
@@ -113,6 +119,17 @@ class Metrics:
                     if le != "+Inf":
                         out[int(float(le))] = s.value
         return out
+
+    def llm_forwards(self, model: str, *, min_seqs: int = 1) -> int:
+        """Forwards of `model`'s llm stage that held at least `min_seqs` sequences (for tests and benchmarks)."""
+        below = 0.0
+        if min_seqs > 1:
+            if min_seqs - 1 not in _BATCH_BUCKETS:
+                raise ValueError(f"min_seqs - 1 must be a bucket bound {_BATCH_BUCKETS}, got {min_seqs}")
+            below = self.registry.get_sample_value("mmserve_llm_forward_sequences_bucket",
+                                                   {"model": model, "le": str(float(min_seqs - 1))}) or 0.0
+        total = self.registry.get_sample_value("mmserve_llm_forward_sequences_count", {"model": model}) or 0.0
+        return int(total - below)
 
     def max_batch_size(self, stage: str, model: str = "") -> int:
         """The largest batch size bucket that has seen a batch (for tests and benchmarks)."""

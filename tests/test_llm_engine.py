@@ -106,12 +106,58 @@ def test_preemption_by_recompute_keeps_outputs_exact(checkpoint, reference):
 def test_seeded_sampling_is_the_same_alone_and_batched(engine, reference):
     ids = _prompt(reference[1], 2)
     params = dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+    metrics = engine.metrics
+    pairs = metrics.llm_forwards("m", min_seqs=2)
     alone = _run(engine, ids, **params).result(timeout=120)["choices"][0]["token_ids"]
-    others = [_run(engine, _prompt(reference[1], i), temperature=1.1, seed=i, max_tokens=20) for i in range(5)]
-    batched = _run(engine, ids, **params).result(timeout=120)["choices"][0]["token_ids"]
+    assert metrics.llm_forwards("m", min_seqs=2) == pairs  # alone: no forward held a second sequence
+    # Three others that outlast it, each past its first token before it starts: every forward of the
+    # batched run holds four sequences, and only a forward with the batched run in it can hold four.
+    others = [_run(engine, _prompt(reference[1], i), temperature=1.1, seed=i, max_tokens=1000, ignore_eos=True)
+              for i in range(3)]
     for h in others:
-        h.result(timeout=120)
+        next(e for e in h.events(timeout=120) if e.kind is EventKind.DELTA)
+    fours = metrics.llm_forwards("m", min_seqs=4)
+    batched = _run(engine, ids, **params).result(timeout=120)["choices"][0]["token_ids"]
+    shared = metrics.llm_forwards("m", min_seqs=4) - fours
+    for h in others:
+        h.cancel()
+        assert list(h.events(timeout=60))[-1].data["code"] == "cancelled"  # gone before the next test
+    assert shared >= len(batched) == 24  # a forward per sampled token, every one of them shared
     assert alone == batched
+
+
+def test_list_of_prompts_runs_together_and_equals_generate(engine, reference):
+    """A completions list of prompts: one request whose prompts share forwards; each choice equals generate()."""
+    prompts = [_prompt(reference[1], i) for i in (1, 4, 6)]
+    params = SamplingParams(n=2, max_tokens=12, **GREEDY)
+    pairs = engine.metrics.llm_forwards("m", min_seqs=2)
+    out = engine.submit_chat("m", ChatRequest(prompts=prompts, params=params)).result(timeout=120)
+    assert engine.metrics.llm_forwards("m", min_seqs=2) > pairs  # nothing else ran: its prompts shared a forward
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    for k, p in enumerate(prompts):
+        want = _generate(reference, p, 12)
+        assert [out["choices"][2 * k + j]["token_ids"] for j in range(2)] == [want, want], f"prompt {k}"
+    assert out["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert out["usage"]["completion_tokens"] == 6 * 12
+
+
+def test_list_of_prompts_seeded_equals_each_alone(engine, reference):
+    prompts = [_prompt(reference[1], i) for i in (0, 3)]
+    params = SamplingParams(temperature=1.0, seed=99, n=2, max_tokens=10, ignore_eos=True)
+    together = engine.submit_chat("m", ChatRequest(prompts=prompts, params=params)).result(timeout=120)
+    for k, p in enumerate(prompts):
+        alone = engine.submit_chat("m", ChatRequest(prompt=p, params=params)).result(timeout=120)
+        assert [c["token_ids"] for c in together["choices"][2 * k:2 * k + 2]] == \
+            [c["token_ids"] for c in alone["choices"]], f"prompt {k}"
+
+
+def test_list_of_prompts_names_the_bad_one(engine):
+    for prompts, code in (([[1, 2], [10**6]], None), ([[1, 2], []], None), ([[3], [1] * 5000], "context_length_exceeded")):
+        with pytest.raises(StageError) as err:
+            engine.submit_chat("m", ChatRequest(prompts=prompts, params=SamplingParams(max_tokens=1)))
+        assert err.value.param == "prompt[1]" and err.value.status == 400
+        if code:
+            assert err.value.code == code
 
 
 def test_n_choices_share_the_prompt_blocks(engine, reference):

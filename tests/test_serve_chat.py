@@ -7,11 +7,13 @@ greedy requests of a few tokens keep the module fast.
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
 import openai
 import pytest
+import torch
 
 try:
     from tests.test_serve_support import Server, metric, wait_for
@@ -21,22 +23,31 @@ except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on s
 MODEL = "llama-demo"
 HELLO = [{"role": "user", "content": "hello, how are you?"}]
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})  # ignore_eos: the random model never stops early
+BLOCK_SIZE = 4  # KV block of the test server: prefix-cache hits come in whole blocks
+MAX_BODY_BYTES = 4 * 2**20  # [server] max_body_bytes of the test server
+TOKENIZED = "mmserve_llm_tokenized_characters_total"  # prompt characters the server ran through the tokenizer
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     from pipelines.demo import build_demo_model
 
+    return build_demo_model("llama", tmp_path_factory.mktemp("serve-chat-model") / "llama")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, checkpoint):
     workdir = tmp_path_factory.mktemp("serve-chat")
-    path = build_demo_model("llama", workdir / "llama")
     srv = Server(workdir, f"""
+[server]
+max_body_bytes = {MAX_BODY_BYTES}
 [[models]]
 name = "{MODEL}"
-path = "{path}"
+path = "{checkpoint}"
 family = "causal-lm"
 [models.llm]
 kv_cache_mb = 8
-block_size = 4
+block_size = {BLOCK_SIZE}
 """)
     yield srv
     srv.stop()
@@ -63,6 +74,12 @@ def chat_stream(client, **kwargs) -> tuple[list, dict[int, str], dict[int, str],
 
 def post(server, path: str, **body) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=30)
+
+
+def cached_in_full_blocks(prompt_tokens: int) -> int:
+    """Prompt tokens a repeat of a cached prompt reuses: its whole blocks, short of the last token (whose
+    logits must be computed)."""
+    return (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None, code: str | None = None) -> dict:
@@ -92,7 +109,9 @@ def test_chat_completion(client):
     usage = reply.usage
     assert usage.completion_tokens == 5 and usage.prompt_tokens > 5
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    again = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, **GREEDY)
+    assert again.usage.prompt_tokens_details.cached_tokens == cached_in_full_blocks(usage.prompt_tokens) > 0
+    assert again.choices[0].message.content == choice.message.content
 
 
 def test_stream_agrees_with_json(client):
@@ -136,6 +155,50 @@ def test_completions(client):
 def test_completions_token_id_prompt(client):
     reply = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, **GREEDY)
     assert reply.usage.prompt_tokens == 4 and reply.usage.completion_tokens == 3
+
+
+PROMPTS = ["The quick brown fox", [5, 6, 7, 8, 9], "hello, how are you?", [11, 12, 13]]  # text and token ids
+
+
+def test_completions_list_of_prompts(client, checkpoint):
+    """One choice per prompt and n, indexed prompt * n + j; each equals the prompt sent alone, and generate()."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS, n=2, max_tokens=6, **GREEDY)
+    assert [c.index for c in reply.choices] == list(range(2 * len(PROMPTS)))
+    model, tok = AutoModelForCausalLM.from_pretrained(checkpoint).eval(), AutoTokenizer.from_pretrained(checkpoint)
+    prompt_tokens = 0
+    for k, prompt in enumerate(PROMPTS):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, **GREEDY)
+        ids = tok(prompt).input_ids if isinstance(prompt, str) else prompt
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(ids):]
+        assert tok.decode(generated) == alone.choices[0].text
+        assert [c.text for c in reply.choices[2 * k:2 * k + 2]] == [alone.choices[0].text] * 2, f"prompt {k}"
+        assert all(c.finish_reason == "length" for c in reply.choices[2 * k:2 * k + 2])
+        prompt_tokens += alone.usage.prompt_tokens
+    assert reply.usage.prompt_tokens == prompt_tokens
+    assert reply.usage.completion_tokens == 2 * len(PROMPTS) * 6
+    # streamed: every chunk names its choice; per index the same text as the JSON reply
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS, n=2, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in reply.choices}
+    assert finish == {c.index: "length" for c in reply.choices}
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_completions_list_with_a_bad_prompt_names_it(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=["fine", [1, 10**6]], max_tokens=2)
+    assert info.value.body["param"] == "prompt[1]" and "token ids must be in [0, " in info.value.body["message"]
 
 
 def test_seeded_sampling_is_reproducible(client):
@@ -190,7 +253,7 @@ def test_repeated_long_prompt_hits_the_prefix_cache(client):
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
     assert first.usage.prompt_tokens > 32
-    assert 0 < again.usage.prompt_tokens_details.cached_tokens <= again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == cached_in_full_blocks(first.usage.prompt_tokens)
     assert again.choices[0].message.content == first.choices[0].message.content
 
 
@@ -234,8 +297,16 @@ def test_bad_chat_input_names_the_field(server, fields, param):
 @pytest.mark.parametrize("fields, param", [
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 10**6]}, "prompt"),  # a token id beyond the vocabulary
-    ({"prompt": ["a", "b"]}, "prompt"),  # one prompt per request
     ({"prompt": list(range(3000))}, "prompt"),  # longer than the context
+    ({"prompt": ["a", 5]}, "prompt[1]"),  # a list of prompts holds strings and token-id lists
+    ({"prompt": [1, "a"]}, "prompt[1]"),  # a token-id prompt holds integers
+    ({"prompt": ["a", [1, 10**6]]}, "prompt[1]"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),  # empty
+    ({"prompt": [[1], []]}, "prompt[1]"),
+    ({"prompt": ["a", [2.5]]}, "prompt[1]"),
+    ({"prompt": ["a", "hi " * 3000]}, "prompt[1]"),  # longer than the context
+    ({"prompt": ["a"] * 65, "n": 2}, "prompt"),  # 130 choices: more than 128
+    ({"prompt": 5}, "prompt"),
     ({"logprobs": 50}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"messages": HELLO}, "messages"),  # a chat field
@@ -244,13 +315,77 @@ def test_bad_completion_input_names_the_field(server, fields, param):
     assert_error(post(server, "/v1/completions", **{"prompt": "hi", **fields}), 400, param)
 
 
+def test_logprobs_error_names_logprobs_and_its_limit(server):
+    error = assert_error(post(server, "/v1/completions", prompt="hi", logprobs=100), 400, "logprobs")
+    assert error["message"].startswith("logprobs must be in [0, 20]") and "top_logprobs" not in error["message"]
+    error = assert_error(post(server, "/v1/chat/completions", messages=HELLO, max_completion_tokens=0), 400,
+                         "max_completion_tokens")
+    assert error["message"].startswith("max_completion_tokens must be >= 1")
+
+
 def test_error_codes(server):
     too_long = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi " * 3000}])
     assert_error(too_long, 400, "messages", "context_length_exceeded")
+    assert_error(post(server, "/v1/completions", prompt=["a", "hi " * 3000]), 400, "prompt[1]",
+                 "context_length_exceeded")
     assert_error(post(server, "/v1/chat/completions", messages=HELLO, bogus=1), 400, "bogus", "unknown_parameter")
     assert_error(post(server, "/v1/chat/completions", model="nope", messages=HELLO), 404, "model", "model_not_found")
     ok = post(server, "/v1/chat/completions", messages=HELLO, top_k=-1, max_tokens=1)  # -1: top_k off
     assert ok.status_code == 200, ok.text
+
+
+# -- request size ---------------------------------------------------------------------------
+
+
+def tokenized(server) -> float:
+    return metric(server.url, TOKENIZED, model=MODEL)
+
+
+def test_body_over_the_limit_is_refused_unread(server):
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 10_000_000}]}).encode()
+    before = tokenized(server)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=big, headers={"content-type": "application/json"},
+                   timeout=60)
+    error = assert_error(r, 413, None, "request_too_large")
+    assert f"{len(big)} bytes" in error["message"] and str(MAX_BODY_BYTES) in error["message"]
+    # chunked (no Content-Length): counted as it arrives
+    chunked = httpx.post(f"{server.url}/v1/chat/completions", content=iter([big[i:i + 2**20]
+                                                                             for i in range(0, len(big), 2**20)]),
+                         headers={"content-type": "application/json"}, timeout=60)
+    error = assert_error(chunked, 413, None, "request_too_large")
+    assert f"more than {MAX_BODY_BYTES} bytes" in error["message"]
+    assert tokenized(server) == before
+    # the limit is applied to the header alone: the answer comes before a byte of the body is sent
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {10 * 2**20}\r\n\r\n".encode())
+        reply = b""
+        while b"}}" not in reply:  # the error object, whole
+            data = s.recv(65536)
+            assert data, reply
+            reply += data
+    assert reply.startswith(b"HTTP/1.1 413") and b'"code":"request_too_large"' in reply
+    # a body of exactly the limit is read (and answered on its merits)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": ""}
+    body["user"] = "u" * (MAX_BODY_BYTES - len(json.dumps(body)))
+    assert len(json.dumps(body)) == MAX_BODY_BYTES
+    ok = httpx.post(f"{server.url}/v1/completions", content=json.dumps(body),
+                    headers={"content-type": "application/json"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_prompt_far_over_the_context_is_refused_untokenized(server):
+    """Characters alone prove it cannot fit: context_length_exceeded before the tokenizer sees it."""
+    before = tokenized(server)
+    huge = "x" * 2_000_000  # under the byte limit, a thousand times the context in characters
+    chat = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": huge}])
+    assert "characters" in assert_error(chat, 400, "messages", "context_length_exceeded")["message"]
+    assert_error(post(server, "/v1/completions", prompt=huge), 400, "prompt", "context_length_exceeded")
+    assert_error(post(server, "/v1/completions", prompt=["a", huge]), 400, "prompt[1]", "context_length_exceeded")
+    assert tokenized(server) == before
+    # the counter counts: a prompt a little over the context is tokenized, then refused on its token count
+    assert_error(post(server, "/v1/completions", prompt="hi " * 3000), 400, "prompt", "context_length_exceeded")
+    assert tokenized(server) == before + len("hi " * 3000)
 
 
 # -- cancellation ---------------------------------------------------------------------------

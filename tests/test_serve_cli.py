@@ -122,6 +122,17 @@ def test_config_unknown_keys_are_named(tmp_path, text, names):
         load_config(path)
 
 
+def test_config_max_body_bytes(tmp_path):
+    path = tmp_path / "mmserve.toml"
+    assert load_config(None).server.max_body_bytes == 16 * 2**20  # the default: JSON bodies up to 16 MiB
+    path.write_text("[server]\nmax_body_bytes = 1048576")
+    assert load_config(path).server.max_body_bytes == 2**20
+    for bad in ("0", "1.5", "true"):
+        path.write_text(f"[server]\nmax_body_bytes = {bad}")
+        with pytest.raises(ValueError, match="server.max_body_bytes must be a whole number of bytes >= 1"):
+            load_config(path)
+
+
 def test_config_errors_teach(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[[models]]\nname = "a"')

@@ -31,15 +31,28 @@ from stages.stage import LoopStage, WorkItem
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """What the llm stage runs: token ids and sampling, already validated."""
+    """What the llm stage runs: token ids and sampling, already validated.
 
-    prompt_ids: tuple[int, ...]  # the rendered, tokenized prompt (media placeholders expanded)
+    A completions request with a list of prompts is one GenerationRequest: every prompt starts in the
+    same step (they share forwards), each with `params.n` choices; prompt k's choice j has index k * n + j.
+    """
+
+    prompt_ids: tuple[int, ...]  # the rendered, tokenized prompt (media placeholders expanded); the first of a list
     params: SamplingParams
     # Prefix-cache identity beyond the tokens: (weights id, adapter, tenant[, media identities]). Tokens
     # after a media span depend on the media, so a prompt with media carries every media identity.
     namespace: Hashable
     media: tuple[MediaSpan, ...] = ()  # placeholder spans; features arrive from vision_encode ("features")
     mrope: MRoPE | None = None  # 3-D prompt positions for M-RoPE models
+    more_prompts: tuple[tuple[int, ...], ...] = ()  # a list of prompts: the ones after prompt_ids (text only)
+
+    def __post_init__(self):
+        if self.more_prompts and (self.media or self.mrope is not None):
+            raise ValueError("a list of prompts is text only (no media, no M-RoPE positions)")
+
+    @property
+    def prompts(self) -> tuple[tuple[int, ...], ...]:
+        return (self.prompt_ids, *self.more_prompts)
 
 
 class LLMStage(LoopStage):
@@ -67,17 +80,23 @@ class LLMStage(LoopStage):
             media = attach_features(req.media, item.inputs.get("features"), num_tokens=len(req.prompt_ids),
                                     hidden_size=self.runner.hidden_size)
             req = dataclasses.replace(req, media=media)
-        if len(req.prompt_ids) >= self.runner.max_context:
-            raise StageError("context_length_exceeded", f"the prompt is {len(req.prompt_ids)} tokens; this model's "
-                             f"context is {self.runner.max_context}", param="messages", status=400)
-        seq = self._new_seq(req, index=0, generator=make_generator(req.params.seed))
-        try:
+        for prompt in req.prompts:  # every prompt is checked before any enters the scheduler
+            if len(prompt) >= self.runner.max_context:
+                raise StageError("context_length_exceeded", f"the prompt is {len(prompt)} tokens; this model's "
+                                 f"context is {self.runner.max_context}", param="messages", status=400)
+            try:
+                self.scheduler.check_fits(len(prompt) + 1)
+            except ValueError as e:
+                raise StageError("context_length_exceeded", str(e), param="messages", status=400) from None
+        n = req.params.n
+        seqs = [self._new_seq(req, prompt, index=k * n, generator=make_generator(req.params.seed))
+                for k, prompt in enumerate(req.prompts)]  # the same seed per prompt: as if each came alone
+        for seq in seqs:
             self.scheduler.add(seq)
-        except ValueError as e:
-            raise StageError("context_length_exceeded", str(e), param="messages", status=400) from None
-        self._owner[seq.seq_id] = item
-        item.state.update(request=req, seqs=[seq], pending_children=req.params.n - 1, started=time.monotonic(),
-                          first=None, last=None)
+            self._owner[seq.seq_id] = item
+        # n > 1: each prompt's first sequence forks its siblings once its prompt is prefilled
+        unforked = {seq.seq_id for seq in seqs} if n > 1 else set()
+        item.state.update(request=req, seqs=seqs, unforked=unforked, started=time.monotonic(), first=None, last=None)
 
     def abort(self, item: WorkItem) -> None:
         for seq in item.state.get("seqs", ()):
@@ -85,15 +104,17 @@ class LLMStage(LoopStage):
         self._observe()
 
     def is_done(self, item: WorkItem) -> bool:
-        return not item.state["pending_children"] and all(s.finished for s in item.state["seqs"])
+        return not item.state["unforked"] and all(s.finished for s in item.state["seqs"])
 
     def finish(self, item: WorkItem) -> dict[str, Any]:
         seqs = sorted(item.state["seqs"], key=lambda s: s.index)
-        prompt = len(item.inputs["request"].prompt_ids)
+        n = item.inputs["request"].params.n
+        firsts = [s for s in seqs if s.index % n == 0]  # one per prompt: its cached count is the prompt's
         choices = [{"index": s.index, "text": s.output.text, "token_ids": list(s.output_ids),
                     "finish_reason": s.finish_reason, "logprobs": s.logprobs or None} for s in seqs]
-        usage = {"prompt_tokens": prompt, "completion_tokens": sum(len(s.output_ids) for s in seqs),
-                 "cached_tokens": seqs[0].num_cached_tokens}
+        usage = {"prompt_tokens": sum(len(s.prompt_ids) for s in firsts),
+                 "completion_tokens": sum(len(s.output_ids) for s in seqs),
+                 "cached_tokens": sum(s.num_cached_tokens for s in firsts)}
         return {"choices": choices, "usage": usage}
 
     # -- one engine iteration -----------------------------------------------------------------
@@ -103,6 +124,7 @@ class LLMStage(LoopStage):
             self._observe()
             return
         logits = self.runner.execute(plan)  # 2. run
+        self.metrics.llm_forward_seqs.labels(model=self.model).observe(len(plan.chunks))
         self.scheduler.commit(plan)  # 3. commit: KV of the plan's chunks is written
         self._sample_and_publish(plan, logits)
         self._observe()
@@ -117,7 +139,7 @@ class LLMStage(LoopStage):
             rows.append(seq)
             row_logits.append(i)
             item = self._owner[seq.seq_id]
-            if item.state["pending_children"] and seq.index == 0 and not seq.output_ids:
+            if seq.seq_id in item.state["unforked"]:
                 rows += self._fork_children(item, seq)  # n > 1: siblings share the prompt's blocks
                 row_logits += [i] * (len(rows) - len(row_logits))
         if not rows:
@@ -172,23 +194,26 @@ class LLMStage(LoopStage):
     def _fail_request(self, item: WorkItem, message: str) -> None:
         for seq in item.state["seqs"]:
             self._finish_seq(seq, "abort")
-        item.state["pending_children"] = 0
+        item.state["unforked"].clear()
         item.emit(EventKind.ERROR, code="sampling_failed", message=message, param=None, status=400)
 
     # -- sequences ----------------------------------------------------------------------------
-    def _new_seq(self, req: GenerationRequest, index: int, generator: torch.Generator) -> Sequence:
-        seq = Sequence(seq_id=next(self._ids), index=index, prompt_ids=list(req.prompt_ids), params=req.params,
+    def _new_seq(self, req: GenerationRequest, prompt_ids: tuple[int, ...], index: int,
+                 generator: torch.Generator) -> Sequence:
+        seq = Sequence(seq_id=next(self._ids), index=index, prompt_ids=list(prompt_ids), params=req.params,
                        namespace=req.namespace, generator=generator, arrival=time.monotonic(), media=req.media,
                        mrope=req.mrope)
-        seq.output = OutputText(self.tokenizer, req.prompt_ids, req.params.stop)
+        seq.output = OutputText(self.tokenizer, prompt_ids, req.params.stop)
         return seq
 
     def _fork_children(self, item: WorkItem, parent: Sequence) -> list[Sequence]:
+        """The n - 1 siblings of `parent` (choice parent.index + j), sharing its prompt's blocks."""
         req: GenerationRequest = item.state["request"]  # with its media features: a preempted child re-prefills
+        item.state["unforked"].discard(parent.seq_id)
         children = []
-        for index in range(1, req.params.n):
-            seed = None if req.params.seed is None else req.params.seed + index  # one stream per choice
-            child = self._new_seq(req, index, make_generator(seed))
+        for j in range(1, req.params.n):
+            seed = None if req.params.seed is None else req.params.seed + j  # one stream per choice
+            child = self._new_seq(req, tuple(parent.prompt_ids), parent.index + j, make_generator(seed))
             child.block_table = BlockTable(block_ids=[])
             self.blocks.fork(parent.block_table, child.block_table)
             child.num_computed_tokens = parent.num_computed_tokens
@@ -197,7 +222,6 @@ class LLMStage(LoopStage):
             self._owner[child.seq_id] = item
             item.state["seqs"].append(child)
             children.append(child)
-        item.state["pending_children"] = 0
         return children
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
