@@ -25,7 +25,9 @@ from stages.pool import PoolConfig
 
 ASR_FAMILY = "whisper"
 TRANSCRIBE, TRANSLATE = "transcribe", "translate"  # Whisper's tasks
-TRANSCRIPTIONS_TASK, TRANSLATIONS_TASK = "transcriptions", "translations"  # ModelInfo.tasks (the endpoints)
+# ModelInfo.tasks: every Whisper model does speech-to-text (/v1/audio/transcriptions); multilingual ones also
+# translate speech into English text (/v1/audio/translations), English-only ones cannot.
+SPEECH_TO_TEXT_TASK, TRANSLATIONS_TASK = "speech-to-text", "translations"
 SAMPLE_RATE = 16000  # what Whisper's feature extractor expects; decode_audio resamples to it
 # A window costs 0.5-2 s on a CPU (tiny.en, 2 cores): waiting 50 ms for company is a few percent of a lone
 # request's time, and lets a burst of requests share one decode loop instead of queueing behind the first.
@@ -95,7 +97,7 @@ class TranscriptionModel:
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        return (TRANSCRIPTIONS_TASK,) if self.english_only else (TRANSCRIPTIONS_TASK, TRANSLATIONS_TASK)
+        return (SPEECH_TO_TEXT_TASK,) if self.english_only else (SPEECH_TO_TEXT_TASK, TRANSLATIONS_TASK)
 
     def language_code(self, language: str | None) -> str | None:
         """The request's language as the model's code; None: detect (multilingual) or none needed (English-only)."""

@@ -40,6 +40,10 @@ class ModelSpec:
     compile: CompileConfig = CompileConfig()
     step_cache: StepCacheConfig = StepCacheConfig()
     fused_kernels: bool = False
+    # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
+    # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
+    # names no model gets a random-weight model only when no real-weight one does its task (serve/models.py).
+    random_weights: bool | None = None
 
 
     def __post_init__(self):
@@ -49,6 +53,8 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: max_inflight must be >= 1, got {self.max_inflight}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"model {self.name}: dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if not (self.random_weights is None or isinstance(self.random_weights, bool)):
+            raise ValueError(f"model {self.name}: random_weights must be true or false, got {self.random_weights!r}")
 
     def pool(self, kind: str) -> PoolConfig:
         return self.pools.get(kind) or DEFAULT_POOLS.get(kind, PoolConfig())

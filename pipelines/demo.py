@@ -309,6 +309,23 @@ _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _b
              "ltx": build_ltx}
 
 
+# Builders that install real weights (converted from an installed package); every other builder's are random.
+REAL_WEIGHT_FAMILIES = frozenset({"whisper-tiny-en"})
+
+
+def has_random_weights(family: str) -> bool:
+    """Whether the demo checkpoint of `family` has random weights (the code path is real, the outputs noise)."""
+    return family not in REAL_WEIGHT_FAMILIES
+
+
+def stamped_random_weights(path: str | Path) -> bool | None:
+    """Whether the checkpoint at `path` has random weights, as its demo stamp says; None when `path` is not a
+    checkpoint built by build_demo_model (no stamp: a hub id, a user's checkpoint)."""
+    stamp = _read_stamp(Path(path).expanduser())
+    family = stamp.get("family") if isinstance(stamp, dict) else None
+    return has_random_weights(family) if family in _BUILDERS else None
+
+
 def _tiny_en_source():
     source = tiny_en_source()
     if source is None:

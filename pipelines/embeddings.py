@@ -22,6 +22,7 @@ EMBEDDING_FAMILY = "embedding"
 CLIP_EMBEDDING_FAMILY = "clip-embedding"
 EMBEDDING_FAMILIES = (EMBEDDING_FAMILY, CLIP_EMBEDDING_FAMILY)
 EMBEDDINGS_TASK = "embeddings"  # ModelInfo.tasks of an embedding model
+IMAGE_EMBEDDINGS_TASK = "image-embeddings"  # ... plus this one when it also embeds images (CLIP)
 # Requests share a call when they arrive within 2 ms; run_batch buckets their texts by length.
 EMBED_POOL = PoolConfig(max_batch_size=32, max_delay_ms=2.0, max_queue=256)
 
@@ -79,6 +80,10 @@ class EmbeddingModel:
     @property
     def dimension(self) -> int:
         return self.encoder.dimension
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return (EMBEDDINGS_TASK, IMAGE_EMBEDDINGS_TASK) if self.encoder.accepts_images else (EMBEDDINGS_TASK,)
 
     @property
     def max_tokens(self) -> int:

@@ -16,7 +16,7 @@ from encoders.cache import EncoderCache
 from pipelines.asr import ASR_FAMILY, ASR_POOL, TranscriptionModel, TranscriptionRequest
 from pipelines.chat import LLM_FAMILY, ChatModel, ChatRequest
 from pipelines.config import EngineConfig, ModelSpec, VoiceSpec
-from pipelines.embeddings import EMBED_POOL, EMBEDDING_FAMILIES, EMBEDDINGS_TASK, EmbeddingModel, EmbeddingRequest
+from pipelines.embeddings import EMBED_POOL, EMBEDDING_FAMILIES, EmbeddingModel, EmbeddingRequest
 from pipelines.tts import SPEECH_TASK, TTS_FAMILIES, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
@@ -49,6 +49,8 @@ class ModelInfo:
     default_size: int  # square size used when the request names none
     voices: tuple[str, ...] = ()  # text-to-speech models: the voice names a request may use
     video_defaults: dict | None = None  # video models: {"width", "height", "num_frames", "fps", "frame_factor"}
+    random_weights: bool = False  # a demo/test checkpoint: real code path, noise out; never a default when a
+    #                               real-weight model does the task (serve/models.py)
 
 
 class Engine:
@@ -123,10 +125,11 @@ class Engine:
         if isinstance(family, VideoFamily):
             (width, height), video = family.request_default_size, family.video_defaults
             self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor,
-                                               max(width, height), video_defaults=video)
+                                               max(width, height), video_defaults=video,
+                                               random_weights=_random_weights(spec))
         else:
-            self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, tasks,
-                                               family.size_factor, family.default_size)
+            self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor,
+                                               family.default_size, random_weights=_random_weights(spec))
         log.info("loaded %s (%s) from %s", spec.name, family_name, spec.path)
 
     def _load_llm(self, spec: ModelSpec) -> None:
@@ -135,7 +138,8 @@ class Engine:
         self.executor.add_pool(f"{spec.name}/llm", chat.stage, spec.pool("llm"))
         self._chats[spec.name] = chat
         self._specs[spec.name] = spec
-        self.models[spec.name] = ModelInfo(spec.name, LLM_FAMILY, spec.path, ("chat",), 0, 0)
+        self.models[spec.name] = ModelInfo(spec.name, LLM_FAMILY, spec.path, ("chat",), 0, 0,
+                                           random_weights=_random_weights(spec))
         log.info("loaded %s (%s, %d KV blocks of %d tokens) from %s", spec.name, LLM_FAMILY, chat.runner.num_blocks,
                  chat.runner.kv.block_size, spec.path)
 
@@ -148,7 +152,8 @@ class Engine:
         self.executor.add_pool(f"{spec.name}/llm", chat.stage, spec.pool("llm"))
         self._chats[spec.name] = chat
         self._specs[spec.name] = spec
-        self.models[spec.name] = ModelInfo(spec.name, VLM_FAMILY, spec.path, ("chat", "vision-chat"), 0, 0)
+        self.models[spec.name] = ModelInfo(spec.name, VLM_FAMILY, spec.path, ("chat", "vision-chat"), 0, 0,
+                                           random_weights=_random_weights(spec))
         log.info("loaded %s (%s, %s, %d KV blocks of %d tokens) from %s", spec.name, VLM_FAMILY, chat.adapter.family,
                  chat.runner.num_blocks, chat.runner.kv.block_size, spec.path)
 
@@ -157,7 +162,8 @@ class Engine:
         self.executor.add_pool(f"{spec.name}/embed", embedder.stage, spec.pools.get("embed") or EMBED_POOL)
         self._embedders[spec.name] = embedder
         self._specs[spec.name] = spec
-        self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, (EMBEDDINGS_TASK,), 0, 0)
+        self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, embedder.tasks, 0, 0,
+                                           random_weights=_random_weights(spec))
         log.info("loaded %s (%s, %d dimensions, %d tokens) from %s", spec.name, family_name, embedder.dimension,
                  embedder.max_tokens, spec.path)
 
@@ -167,7 +173,7 @@ class Engine:
         self._speakers[spec.name] = speech
         self._specs[spec.name] = spec
         self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, (SPEECH_TASK,), 0, 0,
-                                           voices=speech.voices)
+                                           voices=speech.voices, random_weights=_random_weights(spec))
         log.info("loaded %s (%s, %d Hz, voices %s) from %s", spec.name, family_name, speech.sample_rate,
                  list(speech.voices), spec.path)
 
@@ -176,7 +182,8 @@ class Engine:
         self.executor.add_pool(f"{spec.name}/asr", asr.stage, spec.pools.get("asr") or ASR_POOL)
         self._transcribers[spec.name] = asr
         self._specs[spec.name] = spec
-        self.models[spec.name] = ModelInfo(spec.name, ASR_FAMILY, spec.path, asr.tasks, 0, 0)
+        self.models[spec.name] = ModelInfo(spec.name, ASR_FAMILY, spec.path, asr.tasks, 0, 0,
+                                           random_weights=_random_weights(spec))
         log.info("loaded %s (%s, %s) from %s", spec.name, ASR_FAMILY,
                  "English-only" if asr.english_only else "multilingual", spec.path)
 
@@ -192,8 +199,10 @@ class Engine:
             raise ValueError(f"voice model {voice.name}: voice {voice.voice!r} is not a voice of {voice.tts}; its "
                              f"voices: {list(speaker.voices)}")
         self._voices[voice.name] = voice
+        parts = [self.models[getattr(voice, key)] for key in ("asr", "chat", "tts")]
         self.models[voice.name] = ModelInfo(voice.name, REALTIME_VOICE_TASK, f"{voice.asr}+{voice.chat}+{voice.tts}",
-                                            (REALTIME_VOICE_TASK,), 0, 0, voices=speaker.voices)
+                                            (REALTIME_VOICE_TASK,), 0, 0, voices=speaker.voices,
+                                            random_weights=any(p.random_weights for p in parts))
         log.info("voice model %s: %s -> %s -> %s", voice.name, voice.asr, voice.chat, voice.tts)
 
     def _warm(self, name: str) -> None:
@@ -430,5 +439,14 @@ def _served(table: dict, model: str, does: str, kinds: str):
     served = table.get(model)
     if served is None:
         raise RequestError("model", f"model {model!r} does not exist or does not {does}; {kinds}: {sorted(table)}",
+def _random_weights(spec: ModelSpec) -> bool:
+    """The spec's word, else the checkpoint's own (a demo stamp); a checkpoint that says nothing has real weights."""
+    if spec.random_weights is not None:
+        return spec.random_weights
+    from pipelines.demo import stamped_random_weights
+
+    return bool(stamped_random_weights(spec.path))
+
+
                            code="model_not_found", status=404)
     return served

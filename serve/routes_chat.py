@@ -14,11 +14,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pipelines.chat import ChatRequest
-from pipelines.request import RequestError
 from serve.auth import tenant_of
+from serve.models import resolve_model
 from serve.responses import event_stream, result_or_cancel
 from serve.schemas_chat import ChatCompletionRequest, ChatReply, CompletionReply, CompletionRequest, TextReply
-from stages.events import StageError
 from stages.request import RequestHandle
 
 router = APIRouter()
@@ -52,24 +51,8 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: s
 
 
 def resolve_chat_model(engine, name: str | None) -> str:
-    """The chat model to run: the named one (404 if unknown, 400 if it does not chat), or the first chat model."""
-    models = engine.models
-    if name is None or name not in models:
-        if not engine.ready:
-            raise StageError("model_loading", "models are still loading; retry shortly", param="model", status=503)
-    if name is None:
-        name = next((m for m, info in models.items() if CHAT_TASK in info.tasks), None)
-        if name is None:
-            raise RequestError("model", f"no chat model is loaded; models: {sorted(models)}",
-                               code="model_not_found", status=404)
-    info = models.get(name)
-    if info is None:
-        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
-                           code="model_not_found", status=404)
-    if CHAT_TASK not in info.tasks:
-        raise RequestError("model", f"model '{name}' does not chat; it does {list(info.tasks)}",
-                           code="unsupported_task")
-    return name
+    """The named model (404 if unknown, 400 if it does not chat), or the default chat model (serve/models.py)."""
+    return resolve_model(engine, name, CHAT_TASK, does="chat", kind="chat model")
 
 
 async def respond(request: Request, handle: RequestHandle, reply: TextReply, *, stream: bool):

@@ -19,11 +19,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.embeddings import EMBEDDINGS_TASK, EmbeddingRequest, ImageInput
+from pipelines.embeddings import EMBEDDINGS_TASK, IMAGE_EMBEDDINGS_TASK, EmbeddingRequest, ImageInput
 from pipelines.request import RequestError
 from serve.auth import tenant_of
+from serve.models import resolve_model
 from serve.responses import result_or_cancel
-from stages.events import StageError
 
 router = APIRouter()
 
@@ -41,7 +41,8 @@ class EmbeddingsBody(BaseModel):
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingsBody, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
-    model = resolve_embedding_model(engine, body.model)
+    task = IMAGE_EMBEDDINGS_TASK if _has_images(body.input) else EMBEDDINGS_TASK
+    model = resolve_embedding_model(engine, body.model, task)
     embedder = engine.embedding_model(model)
     # 1. cheap: the input's shape, counts, sizes and `dimensions`, before anything is fetched or decoded
     inputs, single = parse_input(body.input, max_inputs=embedder.limits.max_inputs)
@@ -56,24 +57,16 @@ async def create_embeddings(body: EmbeddingsBody, request: Request, tenant: str 
     return JSONResponse(reply(outputs, model, body.encoding_format), headers={"x-request-id": request_id})
 
 
-def resolve_embedding_model(engine, name: str | None) -> str:
-    """The named model (404 if unknown, 400 if it does not embed), or the first embedding model."""
-    models = engine.models
-    if (name is None or name not in models) and not engine.ready:
-        raise StageError("model_loading", "models are still loading; retry shortly", param="model", status=503)
-    if name is None:
-        name = next((m for m, info in models.items() if EMBEDDINGS_TASK in info.tasks), None)
-        if name is None:
-            raise RequestError("model", f"no embedding model is loaded; models: {sorted(models)}",
-                               code="model_not_found", status=404)
-    info = models.get(name)
-    if info is None:
-        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
-                           code="model_not_found", status=404)
-    if EMBEDDINGS_TASK not in info.tasks:
-        raise RequestError("model", f"model '{name}' does not make embeddings; it does {list(info.tasks)}",
-                           code="unsupported_task")
-    return name
+def resolve_embedding_model(engine, name: str | None, task: str = EMBEDDINGS_TASK) -> str:
+    """The named model (404 if unknown, 400 if it does not embed), or the default for `task` (serve/models.py):
+    EMBEDDINGS_TASK, or IMAGE_EMBEDDINGS_TASK when the input holds images."""
+    return resolve_model(engine, name, task, does="make embeddings", kind="embedding model",
+                         accepts=(EMBEDDINGS_TASK,))
+
+
+def _has_images(value: Any) -> bool:
+    """Whether `input` holds an image part (then the default model is one that embeds images)."""
+    return isinstance(value, list) and any(isinstance(v, dict) and v.get("type") == "image_url" for v in value)
 
 
 def _is_token(value: Any) -> bool:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from pipelines.request import RequestError, Task
+from pipelines.request import Task
 from serve.auth import tenant_of
 from serve.errors import ApiError
+from serve.models import resolve_model
 from serve.responses import respond
 from serve.schemas import ImageEditRequest, ImageGenerationRequest
 from serve.uploads import decode_inputs, edit_size, precheck, read_edit_form, read_edit_json
-from stages.events import StageError
 
 router = APIRouter()
 
@@ -19,7 +19,7 @@ router = APIRouter()
 @router.post("/v1/images/generations")
 async def create_image(body: ImageGenerationRequest, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
-    model = resolve_model(engine, body.model, Task.TEXT_TO_IMAGE)
+    model = resolve_image_model(engine, body.model, Task.TEXT_TO_IMAGE)
     handle = engine.submit_image(model, body.image_request(task=Task.TEXT_TO_IMAGE, tenant=tenant))
     return await respond(request, handle, body, "image_generation")
 
@@ -34,7 +34,7 @@ async def edit_image(request: Request, tenant: str = Depends(tenant_of)):
         upload = await read_edit_form(request, max_file_bytes=request.app.state.max_upload_bytes)
     params = ImageEditRequest.model_validate(upload.fields)
     task = Task.INPAINTING if upload.mask is not None else Task.IMAGE_TO_IMAGE
-    model = resolve_model(engine, params.model, task)
+    model = resolve_image_model(engine, params.model, task)
     precheck(engine, model, params.image_request(task=task, tenant=tenant))
     # 2. fetch referenced images (safely), decode (media workers), then run
     image, mask = await decode_inputs(engine, upload)
@@ -54,21 +54,6 @@ async def get_image_file(name: str, request: Request) -> Response:
     return Response(item.data, media_type=item.media_type, headers={"Cache-Control": "private, max-age=3600"})
 
 
-def resolve_model(engine, name: str | None, task: Task) -> str:
-    """The model id to run: the named one (404 if unknown), or the first loaded one when none is named."""
-    models = engine.models
-    if name is None:
-        if not engine.ready or not models:
-            raise StageError("model_loading", "models are still loading; retry shortly", status=503)
-        name = next(iter(models))
-    info = models.get(name)
-    if info is None:
-        if not engine.ready:
-            raise StageError("model_loading", f"model '{name}' is not loaded yet (the server is still loading "
-                                              f"models); retry shortly", param="model", status=503)
-        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
-                           code="model_not_found", status=404)
-    if task.value not in info.tasks:
-        raise RequestError("model", f"model '{name}' does not do {task.value}; it does {list(info.tasks)}",
-                           code="unsupported_task")
-    return name
+def resolve_image_model(engine, name: str | None, task: Task) -> str:
+    """The named model (404 if unknown, 400 if it cannot do `task`), or the default for `task` (serve/models.py)."""
+    return resolve_model(engine, name, task.value, does=f"do {task.value}", kind=f"{task.value} model")

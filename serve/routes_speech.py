@@ -32,6 +32,7 @@ from pipelines.request import RequestError
 from pipelines.tts import SPEECH_TASK, SpeechRequest
 from serve.auth import tenant_of
 from serve.errors import error_body, stage_error_parts
+from serve.models import resolve_model
 from serve.responses import result_or_cancel, sse
 from stages.events import Event, EventKind, StageError
 from stages.media import MediaError
@@ -107,23 +108,9 @@ async def list_voices(request: Request, model: str | None = None, tenant: str = 
 
 
 def resolve_speech_model(engine, name: str | None) -> str:
-    """The named model (404 if unknown, 400 if it does not speak), or the first text-to-speech model."""
-    models = engine.models
-    if (name is None or name not in models) and not engine.ready:
-        raise StageError("model_loading", "models are still loading; retry shortly", param="model", status=503)
-    if name is None:
-        name = next((m for m, info in models.items() if SPEECH_TASK in info.tasks), None)
-        if name is None:
-            raise RequestError("model", f"no text-to-speech model is loaded; models: {sorted(models)}",
-                               code="model_not_found", status=404)
-    info = models.get(name)
-    if info is None:
-        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
-                           code="model_not_found", status=404)
-    if SPEECH_TASK not in info.tasks:
-        raise RequestError("model", f"model '{name}' does not make speech; it does {list(info.tasks)}",
-                           code="unsupported_task")
-    return name
+    """The named model (404 if unknown, 400 if it does not speak), or the default text-to-speech model
+    (serve/models.py)."""
+    return resolve_model(engine, name, SPEECH_TASK, does="make speech", kind="text-to-speech model")
 
 
 def _encode_file(engine, audio, rate: int, fmt: str) -> bytes:

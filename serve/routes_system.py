@@ -7,19 +7,33 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serve.auth import tenant_of
+from serve.errors import ApiError
+from serve.models import model_object
+from stages.events import StageError
 
 router = APIRouter()
 
 
 @router.get("/v1/models", dependencies=[Depends(tenant_of)])
 async def list_models(request: Request) -> dict:
-    engine = request.app.state.engine
     created = request.app.state.created
-    return {"object": "list", "data": [
-        {"id": info.id, "object": "model", "created": created, "owned_by": "mmserve",
-         "family": info.family, "tasks": list(info.tasks),
-         **({"voices": list(info.voices)} if info.voices else {})}  # text-to-speech models
-        for info in engine.models.values()]}
+    models = request.app.state.engine.models.values()
+    return {"object": "list", "data": [model_object(info, created) for info in models]}
+
+
+@router.get("/v1/models/{model_id:path}", dependencies=[Depends(tenant_of)])
+async def retrieve_model(model_id: str, request: Request) -> dict:
+    """The model object of the list; `model_id` may hold '/' (config names such as "org/model" are allowed)."""
+    engine = request.app.state.engine
+    info = engine.models.get(model_id)
+    if info is None:
+        configured = {spec.name for spec in (*engine.config.models, *engine.config.voices)}
+        if not engine.ready and model_id in configured:
+            raise StageError("model_loading", f"model '{model_id}' is not loaded yet (the server is still loading "
+                                              f"models); retry shortly", param="model", status=503)
+        raise ApiError(404, f"The model '{model_id}' does not exist; available models: {sorted(engine.models)}",
+                       param="model", code="model_not_found")
+    return model_object(info, request.app.state.created)
 
 
 @router.get("/health")

@@ -22,13 +22,13 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
-from pipelines.asr import SAMPLE_RATE, TRANSCRIBE, TRANSCRIPTIONS_TASK, TRANSLATE, TRANSLATIONS_TASK, TranscriptionRequest
+from pipelines.asr import SAMPLE_RATE, SPEECH_TO_TEXT_TASK, TRANSCRIBE, TRANSLATE, TRANSLATIONS_TASK, TranscriptionRequest
 from pipelines.request import RequestError
 from serve.auth import tenant_of
 from serve.errors import ApiError
+from serve.models import resolve_model
 from serve.responses import result_or_cancel
 from serve.transcripts import RESPONSE_FORMATS, TIMED_FORMATS, transcript_events, transcript_response
-from stages.events import StageError
 
 router = APIRouter()
 TEXT_FIELDS = {  # field -> endpoints that take it; list fields arrive as `name[]` from the openai client
@@ -109,7 +109,7 @@ async def _run(request: Request, task: str):
     # 1. cheap: the form, its fields, the model, the request's own values against the model
     form = await read_audio_form(request, task, max_file_bytes=request.app.state.max_upload_bytes)
     params = TranscriptionParams.parse(form, task)
-    model = resolve_asr_model(engine, params.model, TRANSCRIPTIONS_TASK if task == TRANSCRIBE else TRANSLATIONS_TASK)
+    model = resolve_asr_model(engine, params.model, SPEECH_TO_TEXT_TASK if task == TRANSCRIBE else TRANSLATIONS_TASK)
     engine.transcription_model(model).check(params.request(np.zeros(0, np.float32)))
     # 2. decode (media workers, 16 kHz mono, duration limits), then cut, featurize and run
     decoded = await engine.run_media("decode_audio", form.data, engine.config.media.audio, param="file",
@@ -126,25 +126,11 @@ async def _run(request: Request, task: str):
 
 
 def resolve_asr_model(engine, name: str | None, task: str) -> str:
-    """The named model (404 if unknown, 400 if it cannot do `task`), or the first model that can."""
-    models = engine.models
-    if name is None or name not in models:
-        if not engine.ready:
-            raise StageError("model_loading", "models are still loading; retry shortly", param="model", status=503)
-    if name is None:
-        name = next((m for m, info in models.items() if task in info.tasks), None)
-        if name is None:
-            raise RequestError("model", f"no loaded model does {task}; models: {sorted(models)}",
-                               code="model_not_found", status=404)
-    info = models.get(name)
-    if info is None:
-        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
-                           code="model_not_found", status=404)
-    if task not in info.tasks:
-        hint = " (an English-only Whisper model cannot translate)" if TRANSCRIPTIONS_TASK in info.tasks else ""
-        raise RequestError("model", f"model '{name}' does not do {task}{hint}; it does {list(info.tasks)}",
-                           code="unsupported_task")
-    return name
+    """The named model (404 if unknown, 400 if it cannot do `task`), or the default for `task` (serve/models.py)."""
+    def hint(info) -> str:
+        return " (an English-only Whisper model cannot translate)" if SPEECH_TO_TEXT_TASK in info.tasks else ""
+
+    return resolve_model(engine, name, task, does=f"do {task}", kind=f"{task} model", hint=hint)
 
 
 async def read_audio_form(request: Request, task: str, *, max_file_bytes: int) -> AudioForm:

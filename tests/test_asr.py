@@ -167,8 +167,8 @@ def test_request_checks_name_the_field(engine):
             model.check(TranscriptionRequest(audio, **kwargs))
         assert e.value.param == param and e.value.status == 400
     assert multi.check(TranscriptionRequest(audio, language="german"))[0] == "de"
-    assert engine.models["tiny-en"].tasks == ("transcriptions",)
-    assert engine.models["tiny"].tasks == ("transcriptions", "translations")
+    assert engine.models["tiny-en"].tasks == ("speech-to-text",)
+    assert engine.models["tiny"].tasks == ("speech-to-text", "translations")
 
 
 def test_incremental_transcriber_gives_partials_and_a_final(engine):

@@ -16,6 +16,7 @@ except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on s
     from test_serve_support import Server, metric, png_bytes, read_image, wait_for
 
 MODEL = "sd-demo"
+SLASHED = "org/sd-demo"  # config names may hold '/' (as hub ids do): GET /v1/models/{id} must find them
 STEPS = 2
 
 
@@ -31,6 +32,11 @@ name = "{MODEL}"
 path = "{sd_path}"
 [models.pools.denoise]
 max_batch_size = 8
+
+[[models]]
+name = "{SLASHED}"
+path = "{sd_path}"
+random_weights = false
 """)
     yield srv
     srv.stop()
@@ -67,6 +73,17 @@ def test_models_list_names_tasks(client):
     entry = models[MODEL].model_dump()
     assert entry["object"] == "model" and entry["owned_by"] == "mmserve"
     assert set(entry["tasks"]) == {"text-to-image", "image-to-image", "inpainting", "realtime-video"}
+
+
+def test_retrieve_model_is_the_list_entry(client):
+    listed = {m.id: m.model_dump() for m in client.models.list()}
+    for model_id in (MODEL, SLASHED):
+        assert client.models.retrieve(model_id).model_dump() == listed[model_id]
+    # a demo checkpoint says it has random weights itself; a [[models]] entry may overrule it
+    assert listed[MODEL]["random_weights"] is True and listed[SLASHED]["random_weights"] is False
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such/model")
+    assert e.value.code == "model_not_found" and e.value.param == "model" and "no-such/model" in e.value.message
 
 
 def test_generate_with_openai_client(client):

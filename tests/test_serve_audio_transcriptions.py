@@ -21,7 +21,7 @@ import pytest
 
 from pipelines.demo import build_demo_model
 from pipelines.demo_whisper import tiny_en_source
-from tests.test_serve_support import ENV, REPO, Server
+from tests.test_serve_support import ENV, REPO, Server, metric
 
 MAX_DURATION_S = 120  # [media.audio] limit of the test server
 # the openai client marks audio.translations deprecated
@@ -172,6 +172,36 @@ def test_verbose_json_and_stream_agree_with_json(client, speech):
     deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
     assert events[-1].type == "transcript.text.done" and len(deltas) > 5
     assert "".join(deltas) == events[-1].text == plain
+
+
+@needs_real
+def test_no_model_runs_on_real_weights_not_on_a_random_demo(server, speech):
+    """The default rule (serve/models.py): `tiny` and `tiny-en` come first in the config, but they are random-weight
+    demo checkpoints (their demo stamps say so), so a transcription that names no model runs on whisper-tiny-en."""
+    text, data, _ = speech
+    runs = lambda model: metric(server.url, "mmserve_graph_requests_total", model=model)  # noqa: E731
+    before = {m: runs(m) for m in ("tiny", "tiny-en", "whisper-tiny-en")}
+    r = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": ("speech.wav", data, "audio/wav")},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert word_error_rate(" ".join(text), r.json()["text"]) <= 0.25, r.text
+    assert {m: runs(m) - n for m, n in before.items()} == {"tiny": 0, "tiny-en": 0, "whisper-tiny-en": 1}
+    # translations: only the random multilingual `tiny` translates, so it is the default there
+    r = httpx.post(f"{server.url}/v1/audio/translations", files={"file": ("speech.wav", data, "audio/wav")},
+                   timeout=120)
+    assert r.status_code == 200 and runs("tiny") == before["tiny"] + 1, r.text
+    named = httpx.post(f"{server.url}/v1/audio/transcriptions", data={"model": "tiny-en"}, timeout=120,
+                       files={"file": ("speech.wav", data, "audio/wav")})  # a named model is used as named
+    assert named.status_code == 200 and runs("tiny-en") == before["tiny-en"] + 1, named.text
+
+
+def test_models_list_speech_to_text_and_translations_only_where_they_work(server):
+    models = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
+    assert models["tiny"]["tasks"] == ["speech-to-text", "translations"]  # multilingual
+    assert models["tiny-en"]["tasks"] == ["speech-to-text"]  # English-only: cannot translate
+    assert models["tiny"]["random_weights"] is True and models["chat"]["random_weights"] is True
+    if "whisper-tiny-en" in models:
+        assert models["whisper-tiny-en"]["tasks"] == ["speech-to-text"] and not models["whisper-tiny-en"]["random_weights"]
 
 
 def test_every_response_format_with_a_tiny_model(client):

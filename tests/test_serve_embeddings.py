@@ -50,10 +50,11 @@ def server(workdir, clip_path):
 [media.fetch]
 file_dirs = ["{workdir / 'files'}"]
 
-{minilm}
 [[models]]
 name = "clip-demo"
 path = "{clip_path}"
+
+{minilm}
 
 [[models]]
 name = "llama-demo"
@@ -109,7 +110,8 @@ def noise_png(size: int, seed: int) -> bytes:
 
 def test_models_list_embedding_models(client):
     models = {m.id: m.model_dump() for m in client.models.list()}
-    assert models["clip-demo"]["tasks"] == ["embeddings"] and models["clip-demo"]["family"] == "clip-embedding"
+    assert models["clip-demo"]["tasks"] == ["embeddings", "image-embeddings"]
+    assert models["clip-demo"]["family"] == "clip-embedding" and models["clip-demo"]["random_weights"] is True
     if MINILM:
         assert models["minilm-demo"]["family"] == "embedding"
 
@@ -207,6 +209,17 @@ def test_bad_input_is_400_naming_the_field(server, body, status, param, code):
 def test_unknown_model_is_404_and_a_chat_model_is_400(server):
     assert_error(post(server, model="nope", input="a"), 404, "model", "model_not_found")
     assert_error(post(server, model="llama-demo", input="a"), 400, "model", "unsupported_task")
+
+
+@needs_minilm
+def test_no_model_picks_by_task_and_prefers_real_weights(server):
+    """serve/models.py: text goes to minilm-demo (real weights), though clip-demo (random weights) comes first in
+    the config; an input with images needs a model that embeds images, and clip-demo is the only one."""
+    text = post(server, input="a red square")
+    assert text.status_code == 200 and text.json()["model"] == "minilm-demo", text.text
+    item = {"type": "image_url", "image_url": {"url": data_uri(png_bytes(8, 8))}}
+    image = post(server, input=["a caption", item])
+    assert image.status_code == 200 and image.json()["model"] == "clip-demo", image.text
 
 
 @needs_minilm

@@ -1,0 +1,66 @@
+"""Which model a request runs on: the one it names, or the default for its task; and the model object.
+
+The default rule (one rule for every route; the README's "Default model" says the same):
+
+    A request that names no `model` runs on the first served model, in configuration order, that
+    does the request's task and has real weights. A random-weight model (a demo or test checkpoint:
+    real code path, noise out) is the default only when no real-weight model does the task.
+
+Random weights are data on the model (ModelInfo.random_weights): the demo builders say it of their
+checkpoints (pipelines/demo.py), a `[[models]]` entry may say it with `random_weights = true`, and
+`/v1/models` shows it. A named model is used as named: 404 `model_not_found` when it is not served,
+400 `unsupported_task` when it does not do the task. While models are loading, a request that names
+none, or names one not loaded yet, gets 503 `model_loading` (a default picked then could be a
+random-weight model whose real-weight sibling is still loading).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pipelines.request import RequestError
+from stages.events import StageError
+
+
+def default_model(models: Mapping[str, Any], task: str) -> str | None:
+    """The default rule over ModelInfos in configuration order: the first real-weight model that does `task`,
+    else the first random-weight one; None when no model does it."""
+    doing = [info for info in models.values() if task in info.tasks]
+    real = [info for info in doing if not info.random_weights]
+    return (real or doing)[0].id if doing else None
+
+
+def resolve_model(engine, name: str | None, task: str, *, does: str, kind: str, accepts: tuple[str, ...] = (),
+                  hint: Callable[[Any], str] | None = None) -> str:
+    """The model id a request runs on. `task`: what the request does (picks the default); `accepts`: the tasks a
+    named model may have instead (default: `task` alone); `does`/`kind` word the errors ("make speech",
+    "text-to-speech model"); `hint(info)` adds to the unsupported_task message. Raises RequestError/StageError."""
+    models = engine.models
+    if (name is None or name not in models) and not engine.ready:
+        message = ("models are still loading; retry shortly" if name is None else
+                   f"model '{name}' is not loaded yet (the server is still loading models); retry shortly")
+        raise StageError("model_loading", message, param="model", status=503)
+    if name is None:
+        name = default_model(models, task)
+        if name is None:
+            raise RequestError("model", f"no {kind} is loaded (no model does {task}); models: {sorted(models)}",
+                               code="model_not_found", status=404)
+        return name
+    info = models.get(name)
+    if info is None:
+        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
+                           code="model_not_found", status=404)
+    if not set(accepts or (task,)) & set(info.tasks):
+        extra = hint(info) if hint is not None else ""
+        raise RequestError("model", f"model '{name}' does not {does}{extra}; it does {list(info.tasks)}",
+                           code="unsupported_task")
+    return name
+
+
+def model_object(info, created: int) -> dict[str, Any]:
+    """One entry of /v1/models, and GET /v1/models/{id}: OpenAI's model object plus family, tasks,
+    random_weights and (text-to-speech and voice models) voices."""
+    return {"id": info.id, "object": "model", "created": created, "owned_by": "mmserve", "family": info.family,
+            "tasks": list(info.tasks), "random_weights": info.random_weights,
+            **({"voices": list(info.voices)} if info.voices else {})}
