@@ -309,15 +309,20 @@ class Engine:
         Events: PROGRESS {"step": i, "total": n}; FINAL outputs {"frames": uint8 [T, H, W, 3], "fps": float,
         "seed": int} (and "pixels": float [T, H, W, 3] in [0, 1]).
         """
+        request = self.check_video(model, request)
+        return self.executor.submit(self.graph(model), {"request": request}, request_id=request_id,
+                                    deadline_s=self.config.request_timeout_s, model=model,
+                                    max_inflight=self._specs[model].max_inflight)
+
+    def check_video(self, model: str, request: VideoRequest) -> VideoRequest:
+        """The request as submit_video would run it (defaults filled, a seed drawn), or the field-naming
+        RequestError it would raise; runs nothing. The /v1/videos route calls it before it stores a job."""
         family = self.family(model)
         if not isinstance(family, VideoFamily):
             raise RequestError("model", f"model {model!r} does not make videos; video models: "
                                         f"{sorted(n for n, f in self._families.items() if isinstance(f, VideoFamily))}",
                                code="model_not_found", status=404)
-        request = family.validate(request)
-        return self.executor.submit(self.graph(model), {"request": request}, request_id=request_id,
-                                    deadline_s=self.config.request_timeout_s, model=model,
-                                    max_inflight=self._specs[model].max_inflight)
+        return family.validate(request)
 
     def embedding_model(self, model: str) -> EmbeddingModel:
         return _served(self._embedders, model, "embed", "embedding models")
@@ -434,11 +439,6 @@ def _realtime_video(family: str, tasks: tuple[str, ...]) -> tuple[str, ...]:
     return (*tasks, REALTIME_VIDEO_TASK) if img2img or "text-to-video" in tasks else tasks
 
 
-def _served(table: dict, model: str, does: str, kinds: str):
-    """The loaded model of one kind, or a 404 naming the models of that kind."""
-    served = table.get(model)
-    if served is None:
-        raise RequestError("model", f"model {model!r} does not exist or does not {does}; {kinds}: {sorted(table)}",
 def _random_weights(spec: ModelSpec) -> bool:
     """The spec's word, else the checkpoint's own (a demo stamp); a checkpoint that says nothing has real weights."""
     if spec.random_weights is not None:
@@ -448,5 +448,10 @@ def _random_weights(spec: ModelSpec) -> bool:
     return bool(stamped_random_weights(spec.path))
 
 
+def _served(table: dict, model: str, does: str, kinds: str):
+    """The loaded model of one kind, or a 404 naming the models of that kind."""
+    served = table.get(model)
+    if served is None:
+        raise RequestError("model", f"model {model!r} does not exist or does not {does}; {kinds}: {sorted(table)}",
                            code="model_not_found", status=404)
     return served
