@@ -22,6 +22,7 @@ from serve.files import ImageStore
 from serve.job_runner import JobPolicy, JobRunner
 from serve.jobs import JobStore
 from serve.metrics import RequestCounter
+from serve.openapi import install_openapi
 from realtime.sessions import registry_for
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits
@@ -71,6 +72,7 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.include_router(routes_realtime_video.router)
     app.include_router(routes_realtime.router)
     install_error_handlers(app)
+    install_openapi(app)  # /openapi.json says what the routes answer (serve/openapi.py)
     app.add_middleware(BodyLimit, json_bytes=max_body_bytes,  # inside RequestCounter: its 413s are counted
                        multipart_bytes=max(2 * max_upload_bytes, routes_batches.MAX_FILE_BYTES) + FORM_FIELDS_BYTES)
     app.add_middleware(RequestCounter, counter=engine.metrics.requests)
