@@ -71,6 +71,9 @@ class VideoRequest:
     image: Any = None  # PIL.Image.Image: the image-to-video reference (the first frame)
     tenant: str = "default"  # enters every cache identity
     step_cache: StepCacheParams | dict | None = None  # opt-in approximate step caching (see ImageRequest)
+    # OpenAI's duration, used when num_frames is None: num_frames = k * frame_factor + 1 with k = round(seconds *
+    # fps / frame_factor) (at least 1), so the video lasts (num_frames - 1) / fps ~ seconds. Errors name `seconds`.
+    seconds: float | None = None
 
     previews: ClassVar[int] = 0  # the denoise stage's preview count: videos stream none
 
@@ -98,15 +101,18 @@ class VideoRequest:
         if width * height > limits.max_pixels:
             raise RequestError("size", f"{width}x{height} is {width * height} pixels a frame; the limit is "
                                        f"{limits.max_pixels}", code="unsupported_size")
-        frames = self.num_frames if self.num_frames is not None else default_frames
+        fps = self.fps if self.fps is not None else default_fps
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= limits.max_fps:
+            raise RequestError("fps", f"fps must be in (0, {limits.max_fps}]; got {fps!r}")
+        if self.num_frames is None and self.seconds is not None:
+            frames = self._frames_of_seconds(fps, frame_factor, limits)
+        else:
+            frames = self.num_frames if self.num_frames is not None else default_frames
         if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % frame_factor:
             raise RequestError("num_frames", f"num_frames must be {frame_factor}k+1 (1, {frame_factor + 1}, "
                                              f"{2 * frame_factor + 1}, ...) for this model; got {frames!r}")
         if frames > limits.max_frames:
             raise RequestError("num_frames", f"num_frames {frames} is over the limit {limits.max_frames}")
-        fps = self.fps if self.fps is not None else default_fps
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= limits.max_fps:
-            raise RequestError("fps", f"fps must be in (0, {limits.max_fps}]; got {fps!r}")
         steps = self.num_inference_steps if self.num_inference_steps is not None else default_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= limits.max_steps:
             raise RequestError("num_inference_steps", f"num_inference_steps must be between 1 and {limits.max_steps}; "
@@ -124,3 +130,15 @@ class VideoRequest:
         return replace(self, width=width, height=height, num_frames=frames, fps=float(fps), num_inference_steps=steps,
                        guidance_scale=float(guidance), seed=seed, step_cache=step_cache,
                        image=self.image.convert("RGB") if self.image is not None else None)
+
+    def _frames_of_seconds(self, fps: float, frame_factor: int, limits: VideoLimits) -> int:
+        """num_frames for `seconds` at `fps`; an error says the limit in seconds, as the caller asked in seconds."""
+        seconds = self.seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+            raise RequestError("seconds", f"seconds must be a positive number; got {seconds!r}")
+        frames = max(1, round(seconds * fps / frame_factor)) * frame_factor + 1
+        if frames > limits.max_frames:
+            longest = (limits.max_frames - 1) // frame_factor * frame_factor / fps  # the longest the limit allows
+            raise RequestError("seconds", f"seconds {seconds:g} is {frames} frames at {fps:g} fps; the limit is "
+                                          f"{longest:g} seconds ({limits.max_frames} frames) for this model")
+        return frames

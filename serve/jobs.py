@@ -17,6 +17,7 @@ The store holds bookkeeping only; serve/job_runner.py decides what runs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sqlite3
@@ -27,11 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve.errors import ApiError
+
 JOB_KINDS = ("video", "batch")
 STATUSES = ("queued", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 VIDEO_REQUEST_FIELDS = ("prompt", "negative_prompt", "width", "height", "num_frames", "fps", "num_inference_steps",
-                        "guidance_scale", "seed", "step_cache")  # what a video job keeps of pipelines.video.VideoRequest
+                        "guidance_scale", "seed", "step_cache", "seconds")  # what a video job keeps of VideoRequest
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -47,7 +50,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     completed_at INTEGER,
     error TEXT,                       -- JSON {"code", "message"} or NULL
     idempotency_key TEXT,
-    expires_at INTEGER
+    expires_at INTEGER,
+    request_hash TEXT                 -- request_digest of the body that created it (NULL: made before hashes)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (tenant, kind, idempotency_key);
 CREATE INDEX IF NOT EXISTS jobs_listing ON jobs (tenant, kind, created_at);
@@ -87,6 +91,26 @@ class Job:
     error: dict[str, Any] | None  # {"code", "message"}
     idempotency_key: str | None
     expires_at: int | None
+    request_hash: str | None = None  # request_digest of the creating body: a reused key must bring the same body
+
+
+class IdempotencyKeyReused(ApiError):
+    """An Idempotency-Key sent again with a different body. 422, as the IETF idempotency-key draft answers
+    (Stripe: 400 idempotency_error): the key names one request, so the first job is not silently returned."""
+
+    def __init__(self, key: str, job: Job):
+        super().__init__(422, f"Idempotency-Key {key!r} was already used for {job.kind} {job.id} with a different "
+                              f"request body; resend that body to get the same {job.kind}, or use a new key",
+                         param="Idempotency-Key", code="idempotency_key_reused")
+
+
+def request_digest(body: dict[str, Any], *blobs: bytes) -> str:
+    """The identity of a request body: SHA-256 of its canonical JSON (sorted keys, no whitespace) and of each
+    uploaded blob. Equal for the same fields however they were spelled (key order, JSON or multipart)."""
+    h = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode())
+    for blob in blobs:
+        h.update(hashlib.sha256(blob).digest())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,9 @@ class JobStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a committed row survives a crash
         self._db.executescript(_SCHEMA)
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
+        if "request_hash" not in columns:  # a store made before request hashes: its jobs keep NULL (no check)
+            self._db.execute("ALTER TABLE jobs ADD COLUMN request_hash TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -144,25 +171,29 @@ class JobStore:
     # -- jobs -----------------------------------------------------------------------------
 
     def create_job(self, kind: str, tenant: str, request: dict[str, Any], *, prefix: str,
-                   idempotency_key: str | None = None, ttl_s: int | None = None) -> tuple[Job, bool]:
-        """A new queued job, or (with the same tenant, kind and idempotency key) the existing one.
-        Returns (job, created)."""
+                   idempotency_key: str | None = None, request_hash: str | None = None,
+                   ttl_s: int | None = None) -> tuple[Job, bool]:
+        """A new queued job, or (with the same tenant, kind and idempotency key) the existing one, when its
+        request_hash is the same (IdempotencyKeyReused when it differs). Returns (job, created)."""
         assert kind in JOB_KINDS, kind
         now = int(time.time())
         job_id = f"{prefix}_{uuid.uuid4().hex}"
         with self._lock:
             try:
                 self._db.execute(
-                    "INSERT INTO jobs (id, kind, tenant, status, request, created_at, idempotency_key, expires_at)"
-                    " VALUES (?, ?, ?, 'queued', ?, ?, ?, ?)",
+                    "INSERT INTO jobs (id, kind, tenant, status, request, created_at, idempotency_key, expires_at,"
+                    " request_hash) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
                     (job_id, kind, tenant, json.dumps(request), now, idempotency_key,
-                     now + ttl_s if ttl_s else None))
+                     now + ttl_s if ttl_s else None, request_hash))
                 created = True
-            except sqlite3.IntegrityError:  # the idempotency key was used before: the same job
+            except sqlite3.IntegrityError:  # the idempotency key was used before: the same job, if the same body
                 row = self._db.execute("SELECT id FROM jobs WHERE tenant=? AND kind=? AND idempotency_key=?",
                                        (tenant, kind, idempotency_key)).fetchone()
                 job_id, created = row["id"], False
-        return self.get_job(job_id), created
+        job = self.get_job(job_id)
+        if not created:
+            _same_body(job, idempotency_key, request_hash)
+        return job, created
 
     def get_job(self, job_id: str, tenant: str | None = None, kind: str | None = None) -> Job | None:
         rows = self._exec("SELECT * FROM jobs WHERE id=?", (job_id,))
@@ -173,9 +204,14 @@ class JobStore:
             return None  # another tenant's job does not exist for this caller
         return job
 
-    def find_by_key(self, tenant: str, kind: str, key: str) -> Job | None:
+    def find_by_key(self, tenant: str, kind: str, key: str, request_hash: str | None = None) -> Job | None:
+        """The job this tenant created with `key`, or None; IdempotencyKeyReused when `request_hash` is given
+        and differs from the creating body's."""
         rows = self._exec("SELECT id FROM jobs WHERE tenant=? AND kind=? AND idempotency_key=?", (tenant, kind, key))
-        return self.get_job(rows[0]["id"]) if rows else None
+        job = self.get_job(rows[0]["id"]) if rows else None
+        if job is not None:
+            _same_body(job, key, request_hash)
+        return job
 
     def list_jobs(self, kind: str, tenant: str, *, limit: int, after: str | None = None) -> list[Job]:
         """Newest first; `after` is the id of the last job of the previous page."""
@@ -298,7 +334,14 @@ class JobStore:
         return dropped
 
 
+def _same_body(job: Job, key: str, request_hash: str | None) -> None:
+    """A reused key must come with the body it was first sent with (unknown on either side: not checked)."""
+    if request_hash is not None and job.request_hash is not None and job.request_hash != request_hash:
+        raise IdempotencyKeyReused(key, job)
+
+
 def _job(r: sqlite3.Row) -> Job:
     return Job(r["id"], r["kind"], r["tenant"], r["status"], r["progress"], json.loads(r["request"]),
                json.loads(r["result"]) if r["result"] else None, r["created_at"], r["started_at"], r["completed_at"],
-               json.loads(r["error"]) if r["error"] else None, r["idempotency_key"], r["expires_at"])
+               json.loads(r["error"]) if r["error"] else None, r["idempotency_key"], r["expires_at"],
+               r["request_hash"])

@@ -20,7 +20,7 @@ from starlette.formparsers import MultiPartException
 from serve.auth import tenant_of
 from serve.batch_lines import BATCH_ENDPOINTS, split_lines
 from serve.errors import ApiError
-from serve.jobs import Job, StoredFile
+from serve.jobs import Job, StoredFile, request_digest
 
 router = APIRouter()
 FILE_PURPOSES = ("batch", "user_data")  # what callers upload; "batch_output" is what the server writes
@@ -117,13 +117,14 @@ async def create_batch(body: BatchBody, request: Request, tenant: str = Depends(
         raise ApiError(404, f"No such File object: {body.input_file_id}", param="input_file_id",
                        code="file_not_found")
     idempotency_key = request.headers.get("idempotency-key")
-    if not idempotency_key or state.job_store.find_by_key(tenant, "batch", idempotency_key) is None:
-        state.job_runner.check_quota(tenant, "batch")
+    digest = request_digest(body.model_dump(mode="json"))  # a reused key must bring the same body (else 422)
+    if not idempotency_key or state.job_store.find_by_key(tenant, "batch", idempotency_key, digest) is None:
+        state.job_runner.check_quota(tenant, "batch")  # a retry never counts against the quota
     total = len(split_lines(source.path.read_bytes()))
     job, created = state.job_store.create_job(
         "batch", tenant, {"input_file_id": body.input_file_id, "endpoint": body.endpoint,
                           "completion_window": body.completion_window, "metadata": body.metadata, "total": total},
-        prefix="batch", idempotency_key=idempotency_key)
+        prefix="batch", idempotency_key=idempotency_key, request_hash=digest)
     if created:
         state.job_runner.schedule(job.id)
     return batch_object(state.job_store, job)

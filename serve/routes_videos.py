@@ -3,7 +3,8 @@
 POST takes JSON or multipart (with `input_reference`, the image for image-to-video) and answers
 the job object at once; GET polls it (`progress` 0-100 from denoise steps); /content is the MP4
 (`variant=thumbnail`: a JPEG of the first frame); DELETE cancels. An `Idempotency-Key` header
-makes a retried POST return the same job. Jobs persist in the JobStore (serve/jobs.py).
+makes a retried POST with the same body return the same job; the same key with another body is a 422
+`idempotency_key_reused`. Jobs persist in the JobStore (serve/jobs.py).
 """
 
 from __future__ import annotations
@@ -19,25 +20,26 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from pipelines.request import RequestError
+from pipelines.video import VideoRequest, VideoTask
 from serve.auth import tenant_of
 from serve.bodies import read_json_object
 from serve.errors import ApiError
-from serve.jobs import VIDEO_REQUEST_FIELDS, Job, write_atomic
+from serve.jobs import VIDEO_REQUEST_FIELDS, Job, request_digest, write_atomic
+from serve.models import resolve_model
 from serve.schemas import StepCacheBody, json_object, parse_size
-from stages.events import StageError
 
 router = APIRouter()
-DEFAULT_FPS = 16  # when only `seconds` is given and the model names no default fps
+VIDEO_TASKS = tuple(t.value for t in VideoTask)  # ModelInfo.tasks of a model /v1/videos runs
 
 
 class VideoBody(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     prompt: str = Field(min_length=1)
-    model: str | None = None  # None: the first video model
+    model: str | None = None  # None: the default model for the task (serve/models.py)
     negative_prompt: str | None = None
     size: str | None = None  # "WxH"; None: the model's default
-    seconds: float | None = Field(None, gt=0)  # OpenAI's duration; num_frames = seconds * fps (+1)
+    seconds: float | None = Field(None, gt=0)  # OpenAI's duration; num_frames from it (pipelines.video.VideoRequest)
     num_frames: int | None = Field(None, ge=1)
     fps: float | None = Field(None, gt=0, le=120)
     num_inference_steps: int | None = Field(None, ge=1)
@@ -63,16 +65,12 @@ class VideoBody(BaseModel):
                                                   '{"image_url": "<data: URI or URL>"}')
         return url
 
-    def video_fields(self, model: str, *, default_fps: float, frame_factor: int) -> dict[str, Any]:
-        """The stored request: VideoRequest's fields plus model, size and seconds for the job object.
-        `seconds` becomes num_frames = k * frame_factor + 1 (the VAE's temporal rule) at the fps."""
+    def video_fields(self, model: str) -> dict[str, Any]:
+        """The stored request: VideoRequest's fields plus model and size for the job object."""
         width, height = parse_size(self.size) or (None, None)
-        num_frames, fps = self.num_frames, self.fps
-        if self.seconds is not None and num_frames is None:
-            fps = fps or default_fps
-            num_frames = max(1, round(self.seconds * fps / frame_factor)) * frame_factor + 1
         return dict(model=model, prompt=self.prompt, negative_prompt=self.negative_prompt, width=width,
-                    height=height, num_frames=num_frames, fps=fps, num_inference_steps=self.num_inference_steps,
+                    height=height, num_frames=self.num_frames, fps=self.fps,
+                    num_inference_steps=self.num_inference_steps,
                     guidance_scale=self.guidance_scale, seed=self.seed, size=self.size, seconds=self.seconds,
                     step_cache=self.step_cache.params() if self.step_cache is not None else None)
 
@@ -80,26 +78,28 @@ class VideoBody(BaseModel):
 @router.post("/v1/videos")
 async def create_video(request: Request, tenant: str = Depends(tenant_of)):
     state = request.app.state
-    engine = state.engine
-    body, image = await _read(request)
-    model = resolve_video_model(engine, body.model)
+    engine, store, runner = state.engine, state.job_store, state.job_runner
+    body, image, uploaded = await _read(request)
     key = request.headers.get("idempotency-key")
-    runner = state.job_runner
-    defaults = getattr(engine.models[model], "video_defaults", None) or {}
-    fields = body.video_fields(model, default_fps=defaults.get("fps", DEFAULT_FPS),
-                               frame_factor=defaults.get("frame_factor", 1))
+    # The body as sent (an uploaded image by its bytes; a URL or data: URI is in the body): a reused key must bring it.
+    digest = request_digest(body.model_dump(mode="json"), *([image] if uploaded else []))
+    retried = store.find_by_key(tenant, "video", key, digest) if key else None  # 422 if the body differs
+    if retried is not None:  # the same job; a retry never counts against the quota
+        return video_object(retried)
+    model = resolve_video_model(engine, body.model, image_to_video=image is not None)
+    fields = body.video_fields(model)
     decoded = None
     if image is not None:  # bad images, sizes, frame counts and fps are refused now, not as a failed job later
         decoded = await asyncio.to_thread(engine.decode_image, image, param="input_reference")
         fields["has_input_reference"] = True
-    precheck(engine, model, fields, decoded, tenant)
-    if not key or _by_key(state.job_store, tenant, key) is None:  # a retry never counts against the quota
-        runner.check_quota(tenant, "video")
-    job, created = state.job_store.create_job("video", tenant, fields, prefix="video", idempotency_key=key,
-                                              ttl_s=None)
+    checked = precheck(engine, model, fields, decoded, tenant)
+    fields.update(num_frames=checked.num_frames, fps=checked.fps)  # what will run, so the job says its seconds
+    runner.check_quota(tenant, "video")
+    job, created = store.create_job("video", tenant, fields, prefix="video", idempotency_key=key,
+                                    request_hash=digest, ttl_s=None)
     if created:
         if image is not None:
-            write_atomic(state.job_store.results_dir / f"{job.id}.input", image)
+            write_atomic(store.results_dir / f"{job.id}.input", image)
         runner.schedule(job.id)
     return video_object(job)
 
@@ -157,39 +157,19 @@ def video_object(job: Job) -> dict[str, Any]:
             "seconds": None if seconds is None else f"{seconds:g}", "error": job.error}
 
 
-def precheck(engine, model: str, fields: dict[str, Any], image, tenant: str) -> None:
-    """The family's own validation (size and frame factors, limits, task) of the request the job will run."""
-    if not hasattr(engine, "family"):
-        return
-    from pipelines.video import VideoRequest
-
+def precheck(engine, model: str, fields: dict[str, Any], image, tenant: str) -> VideoRequest:
+    """The model's own validation (size and frame factors, limits, task) of the request the job will run;
+    returns it with the defaults filled (num_frames, fps). Raises RequestError naming the field."""
     request = VideoRequest(**{k: fields[k] for k in VIDEO_REQUEST_FIELDS}, image=image, tenant=tenant)
-    engine.family(model).validate(request)
+    return engine.check_video(model, request)
 
 
-def resolve_video_model(engine, name: str | None) -> str:
-    if not hasattr(engine, "submit_video"):
-        raise RequestError("model", "this server has no video pipelines", code="model_not_found", status=404)
-    models = engine.models
-    if (name is None or name not in models) and not engine.ready:
-        raise StageError("model_loading", "models are still loading; retry shortly", param="model", status=503)
-    if name is None:
-        name = next((m for m, info in models.items() if any("video" in t for t in info.tasks)), None)
-        if name is None:
-            raise RequestError("model", f"no video model is loaded; models: {sorted(models)}",
-                               code="model_not_found", status=404)
-    info = models.get(name)
-    if info is None:
-        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
-                           code="model_not_found", status=404)
-    if not any("video" in t for t in info.tasks):
-        raise RequestError("model", f"model '{name}' does not make videos; it does {list(info.tasks)}",
-                           code="unsupported_task")
-    return name
-
-
-def _by_key(store, tenant: str, key: str) -> Job | None:
-    return store.find_by_key(tenant, "video", key)
+def resolve_video_model(engine, name: str | None, *, image_to_video: bool) -> str:
+    """The named model (404 if unknown, 400 unsupported_task if it makes no videos: an image model), or the
+    default model for the task (serve/models.py): image-to-video with an input_reference, else text-to-video."""
+    task = VideoTask.IMAGE_TO_VIDEO if image_to_video else VideoTask.TEXT_TO_VIDEO
+    return resolve_model(engine, name, task.value, does="make videos (use /v1/images for images)",
+                         kind=f"{task.value} model", accepts=VIDEO_TASKS)
 
 
 def _job(request: Request, video_id: str, tenant: str) -> Job:
@@ -199,8 +179,9 @@ def _job(request: Request, video_id: str, tenant: str) -> Job:
     return job
 
 
-async def _read(request: Request) -> tuple[VideoBody, bytes | None]:
-    """The body (JSON or multipart) and the input_reference image bytes, if any."""
+async def _read(request: Request) -> tuple[VideoBody, bytes | None, bool]:
+    """The body (JSON or multipart), the input_reference image bytes, if any, and whether they were uploaded
+    (a multipart file part) rather than named in the body (a URL or data: URI)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
         limit = request.app.state.max_upload_bytes
@@ -220,11 +201,11 @@ async def _read(request: Request) -> tuple[VideoBody, bytes | None]:
                                    param="input_reference", code="file_too_large")
             else:
                 fields[key] = value
-        return VideoBody.model_validate(fields), image
+        return VideoBody.model_validate(fields), image, image is not None
     data = await read_json_object(request, accepted="application/json (or multipart/form-data)")
     body = VideoBody.model_validate(data)
     image = None
     source = body.reference_source()
     if source:  # the engine's safe fetch (data: URIs, allowed URLs; size and redirect limits), as serve/uploads.py
         image = await request.app.state.engine.load_source(source, param="input_reference")
-    return body, image
+    return body, image, False

@@ -1,5 +1,7 @@
-"""The job store (serve/jobs.py) and the job runner, with a fake video engine: atomic writes, no duplicate
-batch lines, recovery on restart, the /v1/videos lifecycle and the `mmserve batch run` resume logic."""
+"""The job store (serve/jobs.py) and the job runner, with a stand-in video engine: atomic writes, no duplicate
+batch lines, recovery on restart, idempotency keys, the /v1/videos lifecycle and the `mmserve batch run` resume
+logic. The stand-in validates requests with the real pipelines.video.VideoRequest (as Engine.check_video does
+through a family) and only fakes the denoising, so the route runs exactly the code it runs on the real engine."""
 
 from __future__ import annotations
 
@@ -7,11 +9,10 @@ import asyncio
 import io
 import json
 import os
-import sys
+import sqlite3
 import threading
 import time
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,9 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from pipelines.config import RealtimeConfig
-from serve.jobs import JobStore, write_atomic
+from pipelines.engine import ModelInfo
+from pipelines.video import VideoLimits, VideoRequest
+from serve.jobs import IdempotencyKeyReused, JobStore, request_digest, write_atomic
 from stages.events import EventKind
 from stages.metrics import Metrics
 from stages.request import RequestHandle, RequestState
@@ -76,23 +79,41 @@ def test_expiry_drops_results(tmp_path):
     assert not (store.results_dir / f"{job.id}.mp4").exists()
 
 
-# -- a fake video engine ------------------------------------------------------------------------
+def test_a_reused_idempotency_key_needs_the_same_body(tmp_path):
+    store = JobStore(tmp_path)
+    first = request_digest({"prompt": "a cat", "seconds": 2})
+    assert request_digest({"seconds": 2, "prompt": "a cat"}) == first  # canonical: key order does not matter
+    assert request_digest({"prompt": "a cat", "seconds": 2}, b"png") != first  # an uploaded image is body too
+    job, created = store.create_job("video", "alice", {"x": 1}, prefix="video", idempotency_key="k", request_hash=first)
+    again, created_again = store.create_job("video", "alice", {"x": 1}, prefix="video", idempotency_key="k",
+                                            request_hash=first)
+    assert created and not created_again and again.id == job.id and store.find_by_key("alice", "video", "k", first)
+    other = request_digest({"prompt": "a dog", "seconds": 2})
+    with pytest.raises(IdempotencyKeyReused) as e:
+        store.create_job("video", "alice", {"x": 2}, prefix="video", idempotency_key="k", request_hash=other)
+    assert (e.value.status, e.value.code, e.value.param) == (422, "idempotency_key_reused", "Idempotency-Key")
+    assert job.id in e.value.message
+    with pytest.raises(IdempotencyKeyReused):
+        store.find_by_key("alice", "video", "k", other)
+    assert store.create_job("video", "bob", {}, prefix="video", idempotency_key="k", request_hash=other)[1]  # per tenant
 
 
-@dataclass
-class FakeVideoRequest:
-    prompt: str
-    negative_prompt: str | None = None
-    width: int | None = None
-    height: int | None = None
-    num_frames: int | None = None
-    fps: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
-    image: object = None
-    tenant: str = "default"
-    step_cache: dict | None = None
+def test_a_store_made_before_request_hashes_opens_and_keeps_its_keys(tmp_path):
+    old = sqlite3.connect(tmp_path / "jobs.sqlite3")  # the jobs table as it was, without request_hash
+    old.execute("CREATE TABLE jobs (id TEXT PRIMARY KEY, kind TEXT NOT NULL, tenant TEXT NOT NULL, status TEXT NOT "
+                "NULL, progress INTEGER NOT NULL DEFAULT 0, request TEXT NOT NULL, result TEXT, created_at INTEGER NOT "
+                "NULL, started_at INTEGER, completed_at INTEGER, error TEXT, idempotency_key TEXT, expires_at INTEGER)")
+    old.execute("CREATE UNIQUE INDEX jobs_idempotency ON jobs (tenant, kind, idempotency_key)")
+    old.execute("INSERT INTO jobs (id, kind, tenant, status, request, created_at, idempotency_key) "
+                "VALUES ('video_old', 'video', 't', 'completed', '{}', 1, 'k')")
+    old.commit()
+    old.close()
+    store = JobStore(tmp_path)
+    job, created = store.create_job("video", "t", {}, prefix="video", idempotency_key="k", request_hash="abc")
+    assert not created and job.id == "video_old" and job.request_hash is None  # no hash then: not checked
+
+
+# -- a stand-in video engine --------------------------------------------------------------------
 
 
 class _Executor:
@@ -103,28 +124,38 @@ class _Executor:
         self.states[request_id].request_cancel()
 
 
-@dataclass
-class _Info:
-    tasks: tuple[str, ...]
+# What the stand-in model declares, as a video family would (pipelines/families/video_base.py).
+FAKE_VIDEO = dict(size_factor=8, frame_factor=4, default_size=(16, 16), default_frames=5, default_fps=8,
+                  default_steps=4, default_guidance=5.0)
 
 
 class FakeEngine:
-    """submit_video emits one PROGRESS per step (step_s apart) and then frames; a cancel stops it within a step."""
+    """Engine.check_video / submit_video with the real request validation; submit_video then emits one PROGRESS
+    per step (step_s apart) and frames instead of denoising; a cancel stops it within a step."""
 
     def __init__(self, step_s: float = 0.02):
         self.ready = True
-        self.models = {"wan-fake": _Info(("text-to-video", "image-to-video"))}
+        tasks = ("text-to-video", "image-to-video")
+        width, height = FAKE_VIDEO["default_size"]
+        defaults = {"width": width, "height": height, "num_frames": FAKE_VIDEO["default_frames"],
+                    "fps": FAKE_VIDEO["default_fps"], "frame_factor": FAKE_VIDEO["frame_factor"]}
+        self.models = {"wan-fake": ModelInfo("wan-fake", "wan", "/nowhere", tasks, FAKE_VIDEO["size_factor"],
+                                             max(width, height), video_defaults=defaults, random_weights=True)}
         self.metrics = Metrics()
         self.step_s = step_s
         self.executor = _Executor()
-        self.submitted: list[FakeVideoRequest] = []
+        self.submitted: list[VideoRequest] = []
         self.config = types.SimpleNamespace(realtime=RealtimeConfig())  # what create_app reads of the config
 
-    def submit_video(self, model: str, request: FakeVideoRequest) -> RequestHandle:
+    def check_video(self, model: str, request: VideoRequest) -> VideoRequest:
+        return request.validate(tasks=self.models[model].tasks, model=model, limits=VideoLimits(), **FAKE_VIDEO)
+
+    def submit_video(self, model: str, request: VideoRequest) -> RequestHandle:
+        request = self.check_video(model, request)
         self.submitted.append(request)
         state = RequestState(f"vid-{len(self.submitted)}", deadline=None, model=model)
         self.executor.states[state.request_id] = state
-        steps = request.num_inference_steps or 4
+        steps = request.num_inference_steps  # validated: every field is filled
 
         def work():
             for step in range(steps):
@@ -133,8 +164,8 @@ class FakeEngine:
                     return
                 time.sleep(self.step_s)
                 state.emit(EventKind.PROGRESS, step=step + 1, total=steps)
-            frames = np.zeros((request.num_frames or 5, request.height or 16, request.width or 16, 3), np.uint8)
-            state.emit(EventKind.FINAL, outputs={"frames": frames, "fps": request.fps or 8, "seed": 7})
+            frames = np.zeros((request.num_frames, request.height, request.width, 3), np.uint8)
+            state.emit(EventKind.FINAL, outputs={"frames": frames, "fps": request.fps, "seed": request.seed})
 
         threading.Thread(target=work, daemon=True).start()
         return RequestHandle(state, self.executor)
@@ -156,18 +187,6 @@ class FakeEngine:
         return Image.open(io.BytesIO(data)).convert(mode)
 
 
-@pytest.fixture
-def fake_video_module(monkeypatch):
-    """The runner builds its request with pipelines.video.VideoRequest: the fake engine takes the fake one."""
-    import serve.app  # noqa: F401  (imports pipelines.video, when it exists, before it is patched)
-
-    module = sys.modules.get("pipelines.video")
-    if module is None:
-        monkeypatch.setitem(sys.modules, "pipelines.video", types.SimpleNamespace(VideoRequest=FakeVideoRequest))
-    else:
-        monkeypatch.setattr(module, "VideoRequest", FakeVideoRequest)
-
-
 def _app(engine, data_dir: Path, **policy):
     from serve.app import create_app
     from serve.job_runner import JobPolicy
@@ -187,16 +206,20 @@ def _wait(client, video_id: str, statuses=("completed", "failed", "cancelled"), 
     raise AssertionError(f"video {video_id} stuck: {job}")
 
 
-def test_video_lifecycle_with_fake_engine(tmp_path, fake_video_module):
+def test_video_lifecycle_with_fake_engine(tmp_path):
     engine = FakeEngine()
     with TestClient(_app(engine, tmp_path)) as client:
-        r = client.post("/v1/videos", json={"prompt": "a cat", "size": "32x16", "num_frames": 9, "fps": 8,
-                                            "num_inference_steps": 10}, headers={"Idempotency-Key": "abc"})
+        body = {"prompt": "a cat", "size": "32x16", "num_frames": 9, "fps": 8, "num_inference_steps": 10}
+        r = client.post("/v1/videos", json=body, headers={"Idempotency-Key": "abc"})
         assert r.status_code == 200, r.text
         job = r.json()
         assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["seconds"] == "1"
-        again = client.post("/v1/videos", json={"prompt": "a cat"}, headers={"Idempotency-Key": "abc"}).json()
-        assert again["id"] == job["id"]
+        # the same key and body (however the keys are ordered): the same job
+        again = client.post("/v1/videos", json=dict(reversed(body.items())), headers={"Idempotency-Key": "abc"})
+        assert again.status_code == 200 and again.json()["id"] == job["id"]
+        other = client.post("/v1/videos", json={"prompt": "a cat"}, headers={"Idempotency-Key": "abc"})
+        assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused", other.text
+        assert other.json()["error"]["param"] == "Idempotency-Key" and job["id"] in other.json()["error"]["message"]
         done, seen = _wait(client, job["id"])
         assert done["status"] == "completed" and done["progress"] == 100
         assert seen == sorted(seen)  # monotonic
@@ -212,7 +235,23 @@ def test_video_lifecycle_with_fake_engine(tmp_path, fake_video_module):
         assert deleted["deleted"] is True and client.get(f"/v1/videos/{job['id']}").status_code == 404
 
 
-def test_video_cancel_and_tenant_limit(tmp_path, fake_video_module):
+def test_video_seconds_come_from_the_frames_and_the_models_fps(tmp_path):
+    engine = FakeEngine()
+    with TestClient(_app(engine, tmp_path)) as client:
+        framed = client.post("/v1/videos", json={"prompt": "a", "num_frames": 17})
+        assert framed.status_code == 200 and framed.json()["seconds"] == "2", framed.text  # (17 - 1) / 8 fps
+        timed = client.post("/v1/videos", json={"prompt": "a", "seconds": "1.5"}).json()
+        assert timed["seconds"] == "1.5"  # what the caller asked; it runs as 13 frames (3 x 4 + 1) at 8 fps
+        long = client.post("/v1/videos", json={"prompt": "a", "seconds": "99999"})
+        error = long.json()["error"]
+        assert long.status_code == 400 and error["param"] == "seconds", long.text
+        assert "the limit is 32 seconds" in error["message"]  # 257 frames at the model's 8 fps
+        _wait(client, framed.json()["id"])
+        _wait(client, timed["id"])
+    assert sorted(r.num_frames for r in engine.submitted) == [13, 17]
+
+
+def test_video_cancel_and_tenant_limit(tmp_path):
     engine = FakeEngine(step_s=0.05)
     with TestClient(_app(engine, tmp_path, max_jobs_per_tenant=1)) as client:
         job = client.post("/v1/videos", json={"prompt": "slow", "num_inference_steps": 200}).json()
@@ -226,7 +265,7 @@ def test_video_cancel_and_tenant_limit(tmp_path, fake_video_module):
         assert client.get(f"/v1/videos/{job['id']}/content").status_code == 409
 
 
-def test_in_progress_video_restarts_after_a_crash(tmp_path, fake_video_module):
+def test_in_progress_video_restarts_after_a_crash(tmp_path):
     store = JobStore(tmp_path)
     job, _ = store.create_job("video", "default", {"model": "wan-fake", "prompt": "p", "num_inference_steps": 3,
                                                    "size": None, "seconds": None}, prefix="video")

@@ -228,6 +228,7 @@ def test_video_job_lifecycle(server):
         seen.append(j["progress"])
         return j["status"] in ("completed", "failed")
 
+    assert job["seconds"] == "0.25"  # 5 frames at wan-demo's default 16 fps, though the body sent no seconds
     assert wait_for(finished, timeout_s=60)
     assert seen == sorted(seen) and seen[-1] == 100
     mp4 = httpx.get(f"{url}/v1/videos/{job['id']}/content")
@@ -263,6 +264,47 @@ def test_video_bad_input_is_refused_up_front(server):
     corrupt = httpx.post(f"{server.url}/v1/videos", data=form, timeout=30,
                          files={"input_reference": ("ref.png", b"not an image", "image/png")})
     assert corrupt.status_code == 400 and corrupt.json()["error"]["param"] == "input_reference", corrupt.text
+
+
+def test_video_model_choice_seconds_and_idempotency_errors(server):
+    url = server.url
+    for model in ("sd-demo", "llama-demo"):  # an image model (it does realtime-video, not videos), a chat model
+        r = httpx.post(f"{url}/v1/videos", json={**VIDEO, "model": model}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("model", "unsupported_task"), r.text
+    # no model: the default for the task (serve/models.py); every video model here is a random-weight demo
+    default = httpx.post(f"{url}/v1/videos", json={k: v for k, v in VIDEO.items() if k != "model"}, timeout=30)
+    assert default.status_code == 200 and default.json()["model"] == "wan-demo", default.text  # text-to-video
+    httpx.delete(f"{url}/v1/videos/{default.json()['id']}", timeout=30)
+    long = httpx.post(f"{url}/v1/videos", json={**VIDEO, "num_frames": None, "seconds": "99999"}, timeout=30)
+    error = long.json()["error"]
+    assert long.status_code == 400 and error["param"] == "seconds", long.text
+    assert "16 seconds" in error["message"] and "257 frames" in error["message"]  # at wan-demo's 16 fps
+    body = {**VIDEO, "num_frames": None, "seconds": "1", "num_inference_steps": 1}
+    first = httpx.post(f"{url}/v1/videos", json=body, headers={"Idempotency-Key": "k-1"}, timeout=30)
+    assert first.status_code == 200 and first.json()["seconds"] == "1", first.text
+    same = httpx.post(f"{url}/v1/videos", json=body, headers={"Idempotency-Key": "k-1"}, timeout=30)
+    assert same.status_code == 200 and same.json()["id"] == first.json()["id"], same.text
+    changed = httpx.post(f"{url}/v1/videos", json={**body, "prompt": "a ship"}, headers={"Idempotency-Key": "k-1"},
+                         timeout=30)
+    assert changed.status_code == 422 and changed.json()["error"]["code"] == "idempotency_key_reused", changed.text
+    assert changed.json()["error"]["param"] == "Idempotency-Key"
+
+
+def test_batch_idempotency_key_needs_the_same_body(client):
+    lines = [{"custom_id": "e", "url": "/v1/embeddings", "body": {"model": "clip-demo", "input": "a"}}]
+    f = client.files.create(file=("one.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    headers = {"Idempotency-Key": "batch-k"}
+    first = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h",
+                                  extra_headers=headers)
+    again = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h",
+                                  extra_headers=headers)
+    assert again.id == first.id
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h",
+                              metadata={"run": "2"}, extra_headers=headers)
+    assert e.value.code == "idempotency_key_reused" and first.id in e.value.message
+    _wait_batch(client, first.id)
 
 
 @pytest.mark.parametrize("how", ["multipart", "json-data-uri", "json-image-url"])
