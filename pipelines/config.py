@@ -42,7 +42,8 @@ class ModelSpec:
     fused_kernels: bool = False
     # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
     # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
-    # names no model gets a random-weight model only when no real-weight one does its task (serve/models.py).
+    # names no model gets a random-weight model only when no real-weight one does its task
+    # (pipelines/model_default.py).
     random_weights: bool | None = None
 
 

@@ -50,7 +50,7 @@ class ModelInfo:
     voices: tuple[str, ...] = ()  # text-to-speech models: the voice names a request may use
     video_defaults: dict | None = None  # video models: {"width", "height", "num_frames", "fps", "frame_factor"}
     random_weights: bool = False  # a demo/test checkpoint: real code path, noise out; never a default when a
-    #                               real-weight model does the task (serve/models.py)
+    #                               real-weight model does the task (model_default.py)
 
 
 class Engine:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from PIL import Image
 
 from pipelines.engine import REALTIME_VIDEO_TASK, ModelInfo
+from pipelines.model_default import default_model
 from pipelines.request import ImageRequest, RequestError, Task
 from pipelines.video import VideoRequest
 from realtime.video_protocol import ProtocolError, VideoSettings, parse_size
@@ -35,7 +36,9 @@ def video_models(engine, mode: str) -> list[str]:
 def resolve(engine, settings: VideoSettings) -> VideoSettings:
     """The effective settings: model chosen, defaults filled, everything checked against the model."""
     served = video_models(engine, settings.mode)
-    model = settings.model if settings.model is not None else (served[0] if served else None)
+    model = settings.model
+    if model is None:  # the default rule (pipelines/model_default.py) among the models that serve this mode
+        model = default_model({name: engine.models[name] for name in served}, MODE_TASK[settings.mode])
     if model not in served:
         raise ProtocolError("model_not_found", f"model {model!r} does not serve realtime video in mode "
                                                f"{settings.mode}; models that do: {served}", "session.model")

@@ -49,7 +49,7 @@
     max_inflight = 64             # admitted requests at once; more answer 429
     random_weights = true         # optional: a demo/test checkpoint (noise out); default: what the checkpoint says
                                   # (demo checkpoints do) else false. Such a model is the default for a task only
-                                  # when no real-weight model does it (serve/models.py)
+                                  # when no real-weight model does it (pipelines/model_default.py)
     [models.pools.denoise]        # text_encode | denoise | vae_decode | llm | embed: stages.pool.PoolConfig
     max_batch_size = 8
     replicas = 1

@@ -1,6 +1,6 @@
 """Which model a request runs on: the one it names, or the default for its task; and the model object.
 
-The default rule (one rule for every route; the README's "Default model" says the same):
+The default rule (pipelines/model_default.py; one rule for every route, and the README says the same):
 
     A request that names no `model` runs on the first served model, in configuration order, that
     does the request's task and has real weights. A random-weight model (a demo or test checkpoint:
@@ -16,19 +16,12 @@ random-weight model whose real-weight sibling is still loading).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
+from pipelines.model_default import default_model
 from pipelines.request import RequestError
 from stages.events import StageError
-
-
-def default_model(models: Mapping[str, Any], task: str) -> str | None:
-    """The default rule over ModelInfos in configuration order: the first real-weight model that does `task`,
-    else the first random-weight one; None when no model does it."""
-    doing = [info for info in models.values() if task in info.tasks]
-    real = [info for info in doing if not info.random_weights]
-    return (real or doing)[0].id if doing else None
 
 
 def resolve_model(engine, name: str | None, task: str, *, does: str, kind: str, accepts: tuple[str, ...] = (),

@@ -1,4 +1,4 @@
-"""The default-model rule (serve/models.py) and where random weights come from, without a server.
+"""The default-model rule (pipelines/model_default.py) and where random weights come from, without a server.
 
 The routes that use the rule run it through real servers in their own tests (transcriptions without a
 model in test_serve_audio_transcriptions.py, videos without a model in test_serve_batches.py)."""
@@ -6,7 +6,7 @@ model in test_serve_audio_transcriptions.py, videos without a model in test_serv
 from __future__ import annotations
 
 from pipelines.engine import ModelInfo
-from serve.models import default_model
+from pipelines.model_default import default_model
 
 
 def _info(name: str, tasks: tuple[str, ...], random_weights: bool) -> ModelInfo:
