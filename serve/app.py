@@ -24,6 +24,7 @@ from serve.jobs import JobStore
 from serve.metrics import RequestCounter
 from serve.openapi import install_openapi
 from realtime.sessions import registry_for
+from stages.redact import redact_loggers
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # a JSON (non-multipart) request body; [server] max_body_bytes
@@ -72,6 +73,8 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.include_router(routes_realtime_video.router)
     app.include_router(routes_realtime.router)
     install_error_handlers(app)
+    # Request lines carry query strings (signed image links), and uvicorn's own handlers print them: masked.
+    redact_loggers("uvicorn.access", "uvicorn.error")
     install_openapi(app)  # /openapi.json says what the routes answer (serve/openapi.py)
     app.add_middleware(BodyLimit, json_bytes=max_body_bytes,  # inside RequestCounter: its 413s are counted
                        multipart_bytes=max(2 * max_upload_bytes, routes_batches.MAX_FILE_BYTES) + FORM_FIELDS_BYTES)

@@ -16,6 +16,7 @@ from pipelines.chat import LLM_FAMILY
 from pipelines.config import ModelSpec
 from serve.config import (DEFAULT_DEMO_DIR, DEMO_FAMILIES, IMAGE_DEMO_FAMILIES, demo_specs, engine_config, load_config,
                           parse_model_arg)
+from stages.redact import RedactingFormatter
 
 log = logging.getLogger("mmserve")
 
@@ -31,7 +32,9 @@ class UsageError(Exception):
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()  # URL secrets (userinfo, tokens in queries) masked in every line: stages/redact.py
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
     try:
         return args.run(args)
     except UsageError as e:

@@ -30,6 +30,7 @@ import httpx
 from stages.media import MediaError
 from stages.media_address import (HOST_NAME, IPAddress, address_block_reason, listed_in, literal_address,
                                   split_entry)
+from stages.redact import redact_loggers, redact_text, redact_url
 
 _SCHEMES = ("data", "http", "https", "file")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -37,6 +38,9 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _MAX_URL_CHARS = 8192  # longer http/file sources are refused unread; data: URIs are capped by max_bytes
 # identity: a compressed body would be expanded past the byte cap by whoever decompressed it.
 _HEADERS = [(b"Accept", b"*/*"), (b"Accept-Encoding", b"identity"), (b"User-Agent", b"mmserve-media-fetch")]
+# httpcore's loggers (its DEBUG trace prints response headers, a redirect's Location included)
+_HTTP_TRACE_LOGGERS = ("httpcore.connection", "httpcore.http11", "httpcore.http2", "httpcore.proxy",
+                       "httpcore.socks")
 _NETWORK_ERRORS = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,
                    httpcore.UnsupportedProtocol)
 
@@ -98,6 +102,7 @@ async def load_source(source: str, policy: FetchPolicy, *,
     when it holds more than policy.max_bytes, "media_corrupt" for a malformed data: URI.
     `observe`, if given, is called once with the outcome (success or MediaError).
     """
+    redact_loggers(*_HTTP_TRACE_LOGGERS)  # a Location with credentials must not reach a log line either
     start = time.perf_counter()
     scheme = _scheme(source)
     kind = scheme if scheme in _SCHEMES else "other"  # a metric label must not take user text
@@ -204,22 +209,12 @@ async def _load(source: str, scheme: str, policy: FetchPolicy) -> bytes:
             return await _fetch_http(source, policy)
     except TimeoutError:
         raise MediaError("media_fetch", f"timed out after {policy.total_timeout_s:g} s fetching "
-                                        f"{_short(source)}") from None
+                                        f"{redact_url(source)}") from None
 
 
 def _scheme(source: str) -> str:
     match = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*):", source)
     return match.group(1).lower() if match else ""
-
-
-def _short(url: str) -> str:
-    """The URL without query or fragment (they may hold tokens), cut to a readable length."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        text = f"{parts.scheme}://{parts.netloc}{parts.path}"
-    except ValueError:
-        text = url
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _decode_data_uri(source: str, max_bytes: int) -> bytes:
@@ -257,7 +252,7 @@ def _read_file(source: str, policy: FetchPolicy) -> bytes:
     path = urllib.parse.unquote(parts.path)
     if parts.netloc not in ("", "localhost") or parts.query or parts.fragment or not path.startswith("/") \
             or "\x00" in path:
-        raise MediaError("media_fetch", f"{_short(source)} is not a file:///absolute/path URL on this host")
+        raise MediaError("media_fetch", f"{redact_url(source)} is not a file:///absolute/path URL on this host")
     real = os.path.realpath(path)  # every symlink resolved, so a link cannot lead out of the directory
     if not any(os.path.commonpath([real, root]) == root for root in map(os.path.realpath, policy.file_dirs)):
         raise MediaError("media_fetch", f"{path} is outside the directories file:// may read (file_dirs), "
@@ -288,17 +283,17 @@ def _parse_http_url(text: str, policy: FetchPolicy) -> httpx.URL:
     try:
         url = httpx.URL(text)
     except (httpx.InvalidURL, ValueError) as exc:
-        raise MediaError("media_fetch", f"{_short(text)} is not a valid URL: {exc}") from None
+        raise MediaError("media_fetch", f"{redact_url(text)} is not a valid URL: {redact_text(str(exc))}") from None
     if url.scheme not in ("http", "https") or url.scheme not in policy.schemes:
-        raise MediaError("media_fetch", f"{_short(text)}: only {[s for s in policy.schemes if s in _DEFAULT_PORTS]} "
-                                        f"URLs are fetched over the network")
+        network = [s for s in policy.schemes if s in _DEFAULT_PORTS]
+        raise MediaError("media_fetch", f"{redact_url(text)}: only {network} URLs are fetched over the network")
     if url.userinfo:
-        raise MediaError("media_fetch", f"{_short(text)} carries credentials (user:password@); not fetched")
+        raise MediaError("media_fetch", f"{redact_url(text)} carries credentials (user:password@); not fetched")
     host = url.raw_host.decode("ascii")  # IDNA-encoded, IPv6 without brackets
     if not host or (":" not in host and not HOST_NAME.fullmatch(host)):
-        raise MediaError("media_fetch", f"{_short(text)} has no valid host name")
+        raise MediaError("media_fetch", f"{redact_url(text)} has no valid host name")
     if url.port is not None and not 0 < url.port < 65536:
-        raise MediaError("media_fetch", f"{_short(text)} has port {url.port}; ports are 1..65535")
+        raise MediaError("media_fetch", f"{redact_url(text)} has port {url.port}; ports are 1..65535")
     literal_address(host)  # refuses odd numeric hosts before anything is resolved
     return url
 
@@ -315,11 +310,12 @@ async def _fetch_http(text: str, policy: FetchPolicy) -> bytes:
             except MediaError as exc:
                 if hop == 0:
                     raise
-                raise MediaError(exc.code, f"after {hop} redirect(s), at {_short(str(url))}: {exc.message}") from None
+                raise MediaError(exc.code, f"after {hop} redirect(s), at {redact_url(str(url))}: "
+                                           f"{exc.message}") from None
             if isinstance(result, bytes):
                 return result
             url = result
-    raise MediaError("media_fetch", f"too many redirects (limit {policy.max_redirects}) from {_short(text)}")
+    raise MediaError("media_fetch", f"too many redirects (limit {policy.max_redirects}) from {redact_url(text)}")
 
 
 async def _request_once(pool: httpcore.AsyncConnectionPool, url: httpx.URL, policy: FetchPolicy) -> bytes | httpx.URL:
@@ -336,7 +332,7 @@ async def _request_once(pool: httpcore.AsyncConnectionPool, url: httpx.URL, poli
                 return _redirect_target(url, response.status, headers.get(b"location"), policy)
             if response.status != 200:
                 phrase = response.extensions.get("reason_phrase", b"").decode("latin-1")
-                raise MediaError("media_fetch", f"{_short(str(url))} answered {response.status} {phrase}; "
+                raise MediaError("media_fetch", f"{redact_url(str(url))} answered {response.status} {phrase}; "
                                                 f"expected 200")
             return await _read_capped(response, headers, url, policy.max_bytes)
     except _NETWORK_ERRORS as exc:
@@ -345,35 +341,36 @@ async def _request_once(pool: httpcore.AsyncConnectionPool, url: httpx.URL, poli
 
 def _redirect_target(url: httpx.URL, status: int, location: bytes | None, policy: FetchPolicy) -> httpx.URL:
     if not location:
-        raise MediaError("media_fetch", f"{_short(str(url))} answered {status} without a Location header")
+        raise MediaError("media_fetch", f"{redact_url(str(url))} answered {status} without a Location header")
     try:
         target = url.join(location.decode("latin-1"))  # relative Locations resolve against this URL
     except (httpx.InvalidURL, ValueError) as exc:
-        raise MediaError("media_fetch", f"{_short(str(url))} redirects to an invalid URL: {exc}") from None
+        raise MediaError("media_fetch", f"{redact_url(str(url))} redirects to an invalid URL: "
+                                        f"{redact_text(str(exc))}") from None
     if url.scheme == "https" and target.scheme == "http":
-        raise MediaError("media_fetch", f"{_short(str(url))} redirects from https to http "
-                                        f"({_short(str(target))}); downgrades are refused")
+        raise MediaError("media_fetch", f"{redact_url(str(url))} redirects from https to http "
+                                        f"({redact_url(str(target))}); downgrades are refused")
     try:
         return _parse_http_url(str(target), policy)
     except MediaError as exc:
-        raise MediaError(exc.code, f"{_short(str(url))} redirects to {exc.message}") from None
+        raise MediaError(exc.code, f"{redact_url(str(url))} redirects to {exc.message}") from None
 
 
 async def _read_capped(response: httpcore.Response, headers: dict[bytes, bytes], url: httpx.URL,
                        max_bytes: int) -> bytes:
     encoding = headers.get(b"content-encoding", b"identity").strip().lower()
     if encoding != b"identity":
-        raise MediaError("media_fetch", f"{_short(str(url))} sent Content-Encoding {encoding.decode('latin-1')}; "
+        raise MediaError("media_fetch", f"{redact_url(str(url))} sent Content-Encoding {encoding.decode('latin-1')}; "
                                         f"only identity is accepted (nothing is decompressed here)")
     declared = headers.get(b"content-length", b"").strip()
     if declared.isdigit() and int(declared) > max_bytes:  # refuse before reading a byte
-        raise MediaError("media_bytes", f"{_short(str(url))} declares {int(declared)} bytes; the limit is "
+        raise MediaError("media_bytes", f"{redact_url(str(url))} declares {int(declared)} bytes; the limit is "
                                         f"{max_bytes} bytes")
     body = bytearray()
     async for chunk in response.aiter_stream():  # counted as it arrives: Content-Length may lie or be absent
         body += chunk
         if len(body) > max_bytes:
-            raise MediaError("media_bytes", f"{_short(str(url))} sent more than the limit of {max_bytes} bytes")
+            raise MediaError("media_bytes", f"{redact_url(str(url))} sent more than the limit of {max_bytes} bytes")
     return bytes(body)
 
 
@@ -386,7 +383,7 @@ def _network_error(exc: Exception, url: httpx.URL, policy: FetchPolicy) -> Media
     elif isinstance(exc, httpcore.ConnectError):
         message = f"cannot connect to {where}: {_root_cause(exc)}"
     elif isinstance(exc, httpcore.RemoteProtocolError):
-        message = f"{where} broke the HTTP exchange: {exc}"
+        message = f"{where} broke the HTTP exchange: {redact_text(str(exc))}"
     else:
         message = f"connection to {where} failed: {_root_cause(exc)}"
     return MediaError("media_fetch", message)
@@ -403,4 +400,4 @@ def _root_cause(exc: BaseException) -> str:
         if isinstance(seen, OSError) and seen.errno:
             return os.strerror(seen.errno).lower()
         seen = seen.__cause__ or seen.__context__
-    return str(exc) or type(exc).__name__
+    return redact_text(str(exc)) or type(exc).__name__

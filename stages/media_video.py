@@ -22,6 +22,7 @@ import numpy as np
 from stages.media import MediaError
 from stages.media_video_encode import FragmentedMP4Writer, encode_video  # re-exported: workers find encode_video here
 from stages.media_video_seek import SeekCursor
+from stages.redact import redact_url
 
 __all__ = ["VideoDecodeLimits", "VideoSampling", "VideoInfo", "DecodedVideo", "probe_video", "decode_video",
            "decode_all_frames", "encode_video", "FragmentedMP4Writer"]
@@ -182,7 +183,7 @@ def decode_all_frames(data: bytes, limits: VideoDecodeLimits = VideoDecodeLimits
 
 def _refuse_nested_open(url: str, flags: int, options: dict) -> None:
     # A demuxer asking to open another file or URL (external references) gets nothing.
-    raise PermissionError(f"media input may not open {url!r}")
+    raise PermissionError(f"media input may not open {redact_url(url)!r}")
 
 
 def _open(data: bytes, limits: VideoDecodeLimits) -> av.container.InputContainer:

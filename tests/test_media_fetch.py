@@ -465,3 +465,14 @@ def test_policy_validation():
     with pytest.raises(ValueError, match="absolute"):
         FetchPolicy(file_dirs=("media",))
     assert FetchPolicy(deny_hosts=["10.0.0.0/8", "[::1]:80", ".example.com"]).deny_hosts[2] == ".example.com"
+
+
+def test_redaction_masks_userinfo_secret_parameters_and_fragments():
+    from stages.redact import redact_text, redact_url
+
+    url = "https://user:p@ss@cdn.example/a.png?size=64&token=T1&X-Amz-Signature=T2&sig=T3&design=2#access_token=T4"
+    assert redact_url(url) == "https://***@cdn.example/a.png?size=64&token=***&X-Amz-Signature=***&sig=***&design=2"
+    line = '127.0.0.1 - "GET /v1/files/images/img_1.png?expires=9&sig=T5 HTTP/1.1" from ftp://me:pw@h/x?api_key=T6'
+    assert redact_text(line) == ('127.0.0.1 - "GET /v1/files/images/img_1.png?expires=9&sig=*** HTTP/1.1" '
+                                 'from ftp://***@h/x?api_key=***')
+    assert redact_url("https://example.com/x?" + "a" * 300).endswith("...") and len(redact_url("x" * 300)) == 160

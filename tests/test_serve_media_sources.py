@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import base64
 import http.server
+import logging
 import threading
 
 import httpx
 import pytest
 
-from tests.test_serve_support import Server, metric, png_bytes
+from tests.test_serve_support import Server, metric, png_bytes, wait_for
 
 PNG = png_bytes(64, 64)
+PASSWORD = "hunter2-pw"  # never to be echoed in a reply or a log line
+TOKENS = ("sig-SECRET-1", "tok-SECRET-2", "amz-SECRET-3")
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -26,6 +29,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif self.path == "/to-private":
             self.send_response(302)
             self.send_header("Location", "http://10.0.0.1/in.png")
+            self.end_headers()
+        elif self.path == "/to-credentials":
+            self.send_response(302)
+            self.send_header("Location", f"http://bob:{PASSWORD}@10.0.0.1/in.png?sig={TOKENS[0]}")
             self.end_headers()
         else:
             self.send_response(404)
@@ -108,3 +115,66 @@ def test_malformed_references(server):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "images"
     body = {"model": "sd", "prompt": "x", "images": []}
     assert httpx.post(f"{server.url}/v1/images/edits", json=body, timeout=30).status_code == 400
+
+
+# -- secrets in URLs never come back, nor reach a log (stages/redact.py) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_server(sd_path, media_host):
+    """The app in this process (so caplog sees every log line, uvicorn's access log included) on loopback."""
+    import uvicorn
+
+    from pipelines.config import EngineConfig, MediaConfig, ModelSpec
+    from pipelines.engine import Engine
+    from serve.app import create_app
+    from stages.media_fetch import FetchPolicy
+    from tests.test_serve_support import free_port
+
+    engine = Engine(EngineConfig(models=(ModelSpec("sd", sd_path),),
+                                 media=MediaConfig(fetch=FetchPolicy(allow_hosts=(media_host,)))))
+    engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_config=None,
+                                           log_level="debug"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: server.started, timeout_s=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.shutdown()
+
+
+def test_url_credentials_and_tokens_never_come_back_or_reach_the_logs(local_server, media_host, caplog):
+    caplog.set_level(logging.DEBUG)
+
+    def image(url: str) -> dict:
+        return {"model": "sd", "prompt": "x", "num_inference_steps": 2, "images": [{"image_url": url}]}
+
+    cases = [
+        ("/v1/images/edits", image(f"http://alice:{PASSWORD}@{media_host}/in.png"), "images", "credentials"),
+        ("/v1/images/edits", image(f"http://{media_host}/missing.png?size=64&token={TOKENS[1]}"
+                                   f"&X-Amz-Signature={TOKENS[2]}"), "images", "404"),
+        ("/v1/images/edits", image(f"http://{media_host}/to-credentials"), "images", "credentials"),
+        ("/v1/videos", {"prompt": "a boat", "input_reference": {
+            "image_url": f"https://alice:{PASSWORD}@example.com/in.png?access_token={TOKENS[1]}"}},
+         "input_reference", "credentials"),
+    ]
+    for route, body, param, says in cases:
+        reply = httpx.post(f"{local_server}{route}", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and error["code"] == "media_fetch" and says in error["message"], error
+        assert "***" in error["message"], error  # it shows where a secret was, not the secret
+        assert PASSWORD not in reply.text and "alice" not in reply.text and "bob" not in reply.text, reply.text
+        assert not any(token in reply.text for token in TOKENS), reply.text
+    # a request line whose own query holds a key is masked in uvicorn's access log
+    assert httpx.get(f"{local_server}/v1/models?api_key={TOKENS[1]}", timeout=30).status_code == 200
+    # the server's records: this thread is the test's httpx client, which logs the URLs it was given
+    logged = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records
+                       if r.thread != threading.get_ident())
+    assert "/v1/models?api_key=*** HTTP/1.1" in logged, logged[-2000:]  # the access log was captured, masked
+    assert PASSWORD not in logged and not any(token in logged for token in TOKENS), logged[-2000:]
