@@ -40,12 +40,26 @@ def tenant_of(request: Request) -> str:
     keys: dict[str, str] | None = request.app.state.api_keys
     if not keys:
         return DEFAULT_TENANT
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
+    token = bearer_token(request)
+    if not token:
         raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
                        code="missing_api_key")
+    tenant = tenant_for_key(keys, token)
+    if tenant is None:
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return tenant
+
+
+def bearer_token(request: Request) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header, or None."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def tenant_for_key(keys: dict[str, str], token: str) -> str | None:
+    """The tenant `token` belongs to, or None."""
     for key, tenant in keys.items():
         if hmac.compare_digest(key.encode(), token.encode()):  # constant time: no key-guessing side channel
             return tenant
-    raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return None

@@ -1,7 +1,8 @@
 """A bounded, expiring in-memory store for `response_format=url` images.
 
-The id is an unguessable capability (like a signed URL), so GET needs no API key. Entries leave
-oldest-first when the count or byte budget is exceeded, and after `ttl_s`.
+Each image records the tenant that made it. Without API keys the unguessable id is the capability,
+so GET needs no key; with keys the links are signed and expire (serve/signed_urls.py, with the
+store's `signer`). Entries leave oldest-first when the count or byte budget is exceeded, and after `ttl_s`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from serve.auth import DEFAULT_TENANT
+from serve.signed_urls import UrlSigner
+
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
@@ -20,6 +24,7 @@ class StoredImage:
     data: bytes
     ext: str  # png | jpeg | webp
     expires_at: float  # time.monotonic() value
+    tenant: str  # who made it: a signed link names this tenant
 
     @property
     def media_type(self) -> str:
@@ -27,23 +32,25 @@ class StoredImage:
 
 
 class ImageStore:
-    def __init__(self, *, max_items: int = 512, max_bytes: int = 256 * 2**20, ttl_s: float = 3600.0):
+    def __init__(self, *, max_items: int = 512, max_bytes: int = 256 * 2**20, ttl_s: float = 3600.0,
+                 signer: UrlSigner | None = None):
         if max_items < 1 or max_bytes < 1 or ttl_s <= 0:
             raise ValueError("ImageStore needs max_items >= 1, max_bytes >= 1 and ttl_s > 0")
         self.max_items = max_items
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.signer = signer or UrlSigner()  # signs the links to this store's images (a fresh secret per server)
         self._items: collections.OrderedDict[str, StoredImage] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, data: bytes, ext: str) -> str:
-        """Store one encoded image; returns its file name `<id>.<ext>`."""
+    def put(self, data: bytes, ext: str, tenant: str = DEFAULT_TENANT) -> str:
+        """Store one encoded image made by `tenant`; returns its file name `<id>.<ext>`."""
         if ext not in MEDIA_TYPES:
             raise ValueError(f"unknown image extension {ext!r}; expected one of {sorted(MEDIA_TYPES)}")
         image_id = f"img_{secrets.token_urlsafe(18)}"
         with self._lock:
-            self._items[image_id] = StoredImage(data, ext, time.monotonic() + self.ttl_s)
+            self._items[image_id] = StoredImage(data, ext, time.monotonic() + self.ttl_s, tenant)
             self._bytes += len(data)
             self._evict()
         return f"{image_id}.{ext}"

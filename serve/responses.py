@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from serve.auth import tenant_of
 from serve.errors import error_body, stage_error_parts
 from serve.files import ImageStore
 from serve.schemas import ImageParams, size_string
@@ -75,8 +76,12 @@ def _image_entry(request: Request, data: bytes, params: ImageParams) -> dict[str
     if not params.wants_url:
         return {"b64_json": base64.b64encode(data).decode("ascii")}
     store: ImageStore = request.app.state.image_store
-    name = store.put(data, params.output_format)
-    return {"url": str(request.url_for("get_image_file", name=name))}
+    tenant = tenant_of(request)  # the route has authenticated the caller already
+    name = store.put(data, params.output_format, tenant)
+    url = request.url_for("get_image_file", name=name)
+    if request.app.state.api_keys:  # a signed, expiring link bound to the tenant (serve/signed_urls.py)
+        url = url.include_query_params(**store.signer.sign(name, tenant, store.ttl_s))
+    return {"url": str(url)}
 
 
 def sse(event: str, data: dict[str, Any] | str) -> str:

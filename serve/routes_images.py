@@ -7,10 +7,10 @@ from fastapi.responses import Response
 
 from pipelines.request import Task
 from serve.auth import tenant_of
-from serve.errors import ApiError
 from serve.models import resolve_model
 from serve.responses import respond
 from serve.schemas import ImageEditRequest, ImageGenerationRequest
+from serve.signed_urls import check_image_access, image_not_found
 from serve.uploads import decode_inputs, edit_size, precheck, read_edit_form, read_edit_json
 
 router = APIRouter()
@@ -46,11 +46,12 @@ async def edit_image(request: Request, tenant: str = Depends(tenant_of)):
 
 @router.get("/v1/files/images/{name}", name="get_image_file")
 async def get_image_file(name: str, request: Request) -> Response:
-    """Images returned with response_format=url; the unguessable name is the capability (no API key)."""
+    """Images returned with response_format=url. Without API keys the unguessable name is the capability;
+    with keys the link must carry its signature (or the owner's key): serve/signed_urls.py."""
     item = request.app.state.image_store.get(name)
     if item is None:
-        raise ApiError(404, f"image {name!r} does not exist or has expired (images are kept for "
-                            f"{int(request.app.state.image_store.ttl_s)} s)", param="name", code="file_not_found")
+        raise image_not_found(name, request.app.state.image_store.ttl_s)
+    check_image_access(request, name, item.tenant)
     return Response(item.data, media_type=item.media_type, headers={"Cache-Control": "private, max-age=3600"})
 
 

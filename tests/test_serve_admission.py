@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -95,3 +96,57 @@ def test_full_queue_answers_429_with_retry_after(server):
     error = refused.json()["error"]
     assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
     assert metric(server.url, "mmserve_requests_total", route="/v1/images/generations", status="429") >= 1
+
+
+# -- response_format=url links while keys are on (serve/signed_urls.py) ------------------------------
+
+
+def _get(url: str, key: str | None = None) -> httpx.Response:
+    return httpx.get(url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+
+
+def _code(response: httpx.Response) -> str | None:
+    return response.json()["error"]["code"]
+
+
+def test_image_links_are_signed_expiring_and_bound_to_their_tenant(server):
+    alice = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-alice-0001", max_retries=0)
+    url = alice.images.generate(model=MODEL, prompt="a lighthouse", size="64x64", response_format="url",
+                                extra_body={"num_inference_steps": 2}).data[0].url
+    link = httpx.URL(url)
+    assert set(link.params) == {"expires", "sig"}
+    assert 3500 < int(link.params["expires"]) - time.time() <= 3600  # as long as the image is kept
+    # as returned, it opens with no key at all: a browser, an <img> tag, curl
+    opened = _get(url)
+    assert opened.status_code == 200 and opened.content[:4] == b"\x89PNG", opened.text
+    bare = str(link.copy_with(query=None))
+    assert _get(bare).status_code == 403 and _code(_get(bare)) == "unsigned_url"
+    assert _get(bare, "sk-alice-0001").status_code == 200  # the owner's key opens the bare link
+    assert _get(bare, "sk-bob-0002").status_code == 404  # another tenant's key: as if it did not exist
+    assert _code(_get(bare, "sk-bob-0002")) == "file_not_found"
+    # a changed signature, a later expiry, or a signature moved to another name: refused
+    sig, expires = link.params["sig"], int(link.params["expires"])
+    forged_sig = sig[:-1] + ("0" if sig[-1] != "0" else "1")
+    for params in ({"expires": str(expires), "sig": forged_sig}, {"expires": str(expires + 3600), "sig": sig},
+                   {"expires": str(expires), "sig": ""}):
+        refused = _get(str(link.copy_with(params=params)))
+        assert refused.status_code == 403 and _code(refused) == "invalid_signature", refused.text
+    other = httpx.URL(alice.images.generate(model=MODEL, prompt="a boat", size="64x64", response_format="url",
+                                            extra_body={"num_inference_steps": 2}).data[0].url)
+    moved = other.copy_with(params={"expires": str(expires), "sig": sig})
+    assert _get(str(moved)).status_code == 403
+    assert _get(str(moved), "sk-bob-0002").status_code == 404
+
+
+def test_link_signatures_expire_and_name_the_tenant():
+    from serve.signed_urls import UrlSigner
+
+    signer = UrlSigner(b"k" * 32)
+    params = signer.sign("img_a.png", "alice", 60, now=1000.0)
+    assert params["expires"] == "1060"
+    assert signer.refusal("img_a.png", "alice", params["expires"], params["sig"], now=1059.0) is None
+    assert signer.refusal("img_a.png", "alice", params["expires"], params["sig"], now=1061.0) == "expired"
+    assert signer.refusal("img_a.png", "bob", params["expires"], params["sig"], now=1000.0) == "invalid"
+    assert signer.refusal("img_b.png", "alice", params["expires"], params["sig"], now=1000.0) == "invalid"
+    assert signer.refusal("img_a.png", "alice", None, None) == "unsigned"
+    assert UrlSigner(b"j" * 32).refusal("img_a.png", "alice", params["expires"], params["sig"], now=1000.0) == "invalid"
