@@ -33,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from stages.redact import redact_url
+
 BATCH_ENDPOINTS = ("/v1/images/generations", "/v1/chat/completions", "/v1/embeddings", "/v1/audio/speech",
                    "/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations")
 MULTIPART_ENDPOINTS = ("/v1/audio/transcriptions", "/v1/audio/translations")  # `file` a data: URI (see above)
@@ -75,7 +77,8 @@ def parse_line(text: str, index: int, endpoint: str | None) -> BatchLine:
         raise LineError("missing_custom_id", f"line {index + 1} has no custom_id (a non-empty string)")
     url = item.get("url", endpoint)
     if url not in BATCH_ENDPOINTS:
-        raise LineError("invalid_url", f"line {index + 1}: url {url!r} is not a batch endpoint; use one of "
+        shown = redact_url(url) if isinstance(url, str) else url  # a query may hold a token (stages/redact.py)
+        raise LineError("invalid_url", f"line {index + 1}: url {shown!r} is not a batch endpoint; use one of "
                                        f"{list(BATCH_ENDPOINTS)}", custom_id)
     if endpoint is not None and url != endpoint:
         raise LineError("mismatched_url", f"line {index + 1}: url {url!r} differs from the batch's endpoint "

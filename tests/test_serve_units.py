@@ -93,3 +93,12 @@ def test_api_key_files(tmp_path):
     as_json.write_text("{")
     with pytest.raises(ValueError, match="cannot parse"):
         load_api_keys(as_json)
+
+
+def test_batch_line_errors_mask_a_token_in_the_url():
+    from serve.batch_lines import LineError, parse_line
+
+    line = json.dumps({"custom_id": "a", "url": "https://x.example/v1/chat?api_key=sk-SECRET", "body": {}})
+    with pytest.raises(LineError) as e:
+        parse_line(line, 0, None)
+    assert "api_key=***" in e.value.message and "sk-SECRET" not in e.value.message
