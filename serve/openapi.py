@@ -7,7 +7,7 @@ hand) or of what they answer. `OPERATIONS` below is the truth per (method, path)
 statuses, the 200 reply's media types and schemas, and the bodies read by hand; `build_schema`
 lays it over FastAPI's schema. A route with no entry fails tests/test_openapi.py, so routes added
 later stay described. 401 and the bearer security requirement come from the route itself (it
-depends on `tenant_of`); 500 can come from any route.
+depends on `tenant_of`), 413 from its taking a body (serve/body_limit.py); 500 can come from any route.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ ERROR_DESCRIPTIONS = {
     400: "Malformed request: a field missing, unknown, of the wrong type or out of range (`param` names it), "
          "a malformed body, or a model that does not do this task",
     401: "Missing or incorrect API key (only when the server is started with --api-keys)",
+    403: "With --api-keys: an image link without its signature, with a changed one, or past its expiry",
     404: "Unknown model (`model_not_found`) or no object with this id",
     409: "The object is not in a state that allows this (a video not completed yet)",
     413: "Request body, uploaded file or fetched media over its limit (the message names the limit)",
@@ -83,7 +84,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/images/generations"): Operation(ENGINE, {JSON: m.ImagesResponse, SSE: m.ServerSentEvent}),
     ("POST", "/v1/images/edits"): Operation(ENGINE, {JSON: m.ImagesResponse, SSE: m.ServerSentEvent},
                                             json_body=m.ImageEditJson, form_body=m.ImageEditForm),
-    ("GET", "/v1/files/images/{name}"): Operation((404,), IMAGE_TYPES),
+    ("GET", "/v1/files/images/{name}"): Operation((403, 404), IMAGE_TYPES),  # 403: with API keys, an unsigned,
+    # changed or expired link (serve/signed_urls.py)
     # -- audio ----------------------------------------------------------------------------------
     ("POST", "/v1/audio/speech"): Operation(ENGINE, {**{t: BINARY for t in SPEECH_TYPES.values()},
                                                      SSE: m.ServerSentEvent}),
@@ -117,7 +119,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 # Request fields their models take as Any (the route checks them by hand, so errors name `messages[i]`):
 # (component, property) -> the type the route accepts.
 FIELD_TYPES: dict[tuple[str, str], Any] = {
-    ("ChatCompletionRequest", "messages"): list[m.ChatMessage],
+    ("ChatCompletionRequest", "messages"): m.ChatMessages,
     ("CompletionRequest", "prompt"): m.Prompt,
     ("EmbeddingsBody", "input"): m.EmbeddingInput,
 }
@@ -167,7 +169,9 @@ def _describe(op: dict[str, Any], entry: Operation, *, needs_key: bool, schemas:
     def ref(body: Body) -> dict[str, Any]:
         return _schema_ref(body, schemas)
 
-    errors = sorted({*entry.errors, 500, *((401,) if needs_key else ())})
+    takes_body = entry.json_body is not None or entry.form_body is not None or "requestBody" in op
+    # 401: the route asks for the tenant; 413: serve/body_limit.py refuses any body over its limit; 500: anywhere
+    errors = sorted({*entry.errors, 500, *((401,) if needs_key else ()), *((413,) if takes_body else ())})
     responses: dict[str, Any] = {"200": {"description": "Success",
                                          "content": {t: {"schema": ref(b)} for t, b in entry.ok.items()}}}
     for status, (description, content) in entry.other.items():

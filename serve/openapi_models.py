@@ -9,7 +9,7 @@ server's answers against them.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -138,9 +138,10 @@ class ChatMessage(BaseModel):
     content: str | list[Union[TextPart, ImagePart, VideoPart]] | None  # null: assistant messages only
 
 
-TokenIds = list[int]
+ChatMessages = Annotated[list[ChatMessage], Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
 # /v1/completions `prompt` (serve/schemas_chat.py prompt_fields): one prompt, or a list of prompts
-Prompt = Union[str, TokenIds, list[Union[str, TokenIds]]]
+Prompt = Union[str, TokenIds, Annotated[list[Union[str, TokenIds]], Field(min_length=1)]]
 
 
 class EmbeddingImagePart(BaseModel):
@@ -151,7 +152,8 @@ class EmbeddingImagePart(BaseModel):
 
 
 # /v1/embeddings `input` (serve/routes_embeddings.py parse_input)
-EmbeddingInput = Union[str, TokenIds, list[Union[str, TokenIds, TextPart, EmbeddingImagePart]]]
+EmbeddingInput = Union[str, TokenIds, Annotated[list[Union[str, TokenIds, TextPart, EmbeddingImagePart]],
+                                                 Field(min_length=1)]]
 
 
 # -- chat and completions replies (serve/schemas_chat.py TextReply) -----------------------------
