@@ -109,7 +109,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/files/{file_id}"): Operation((404,), {JSON: m.FileObject}),
     ("DELETE", "/v1/files/{file_id}"): Operation((404,), {JSON: m.FileDeleted}),
     ("GET", "/v1/files/{file_id}/content"): Operation((404,), {"application/jsonl": BINARY}),
-    ("POST", "/v1/batches"): Operation((400, 404, 413, 429), {JSON: m.Batch}, headers=(IDEMPOTENCY_KEY,)),
+    ("POST", "/v1/batches"): Operation((400, 404, 413, 422, 429), {JSON: m.Batch}, headers=(IDEMPOTENCY_KEY,)),
     ("GET", "/v1/batches"): Operation((400,), {JSON: m.BatchList}),
     ("GET", "/v1/batches/{batch_id}"): Operation((404,), {JSON: m.Batch}),
     ("POST", "/v1/batches/{batch_id}/cancel"): Operation((404,), {JSON: m.Batch}),
