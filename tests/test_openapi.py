@@ -5,16 +5,12 @@ described. Real replies of an in-process app are checked against the schema with
 
 from __future__ import annotations
 
-import re
 import types
 
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
-from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                               status_code_conformance)
 
 from pipelines.config import RealtimeConfig
 from serve.app import create_app
@@ -22,8 +18,8 @@ from serve.openapi import OPERATIONS, build_schema, schema_routes
 from serve.routes_videos import VideoBody
 from serve.schemas import ImageEditRequest
 from stages.metrics import Metrics
+from tests.schema_checks import validate
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 UNAUTHENTICATED = {("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/v1/files/images/{name}")}
 
@@ -179,19 +175,6 @@ def _path_of(template: str) -> str:
     return template.replace("{", "").replace("}", "")  # {video_id} -> video_id: an id that does not exist
 
 
-def _validate(schema_obj, method: str, template: str, response) -> None:
-    """schemathesis' checks of `response` as the reply to `method template` (path parameters read off the URL)."""
-    response.request.read()
-    names = re.findall(r"{(\w+)}", template)
-    pattern = re.escape(template)
-    for name in names:
-        pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>[^/]+)")
-    match = re.search(pattern + "$", response.request.url.path)
-    assert match, (template, str(response.request.url))
-    checks = CHECKS if response.status_code < 500 else CHECKS[1:]  # an expected 503 (/ready) is not a server error
-    schema_obj[template][method].Case(path_parameters=match.groupdict()).validate_response(response, checks=checks)
-
-
 def test_every_key_route_answers_401_as_documented(app, schema):
     """Without a key each key-protected operation answers 401, and the reply passes the schema checks."""
     schema_obj = schemathesis.openapi.from_dict(schema)
@@ -203,7 +186,7 @@ def test_every_key_route_answers_401_as_documented(app, schema):
         response = client.request(method, _path_of(template), json={} if method == "POST" else None)
         assert response.status_code == 401, (method, template, response.text)
         assert response.json()["error"]["code"] == "missing_api_key"
-        _validate(schema_obj, method, template, response)
+        validate(schema_obj, method, template, response)
         checked += 1
     assert checked == len(OPERATIONS) - len(UNAUTHENTICATED)
 
@@ -225,7 +208,7 @@ def test_system_and_lookup_replies_pass_the_schema_checks(app, schema):
     for method, template, url, status in cases:
         response = client.request(method, url, headers=auth, json={} if method == "POST" else None)
         assert response.status_code == status, (url, response.text)
-        _validate(schema_obj, method, template, response)
+        validate(schema_obj, method, template, response)
 
 
 def test_the_checks_catch_an_untrue_reply(schema):
@@ -246,7 +229,7 @@ def test_the_checks_catch_an_untrue_reply(schema):
             ("/v1/videos/{video_id}", reply("/v1/videos/x", 422, {"detail": []}), "ST103 Undocumented status code"),
             ("/health", reply("/health", 200, {"status": "fine"}), "ST108 Response violates schema")]:
         with pytest.raises(FailureGroup) as caught:
-            _validate(schema_obj, "GET", template, response)
+            validate(schema_obj, "GET", template, response)
         assert failure in str(caught.value), (template, str(caught.value))
 
 
