@@ -51,6 +51,10 @@ ERROR_DESCRIPTIONS = {
 RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}}
 IDEMPOTENCY_KEY = {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
                    "description": "A retried request with the same key and body returns the same object"}
+IMAGE_LINK = ({"name": "expires", "in": "query", "required": False, "schema": {"type": "integer"},
+               "description": "Unix time the link stops working (signed links, with --api-keys)"},
+              {"name": "sig", "in": "query", "required": False, "schema": {"type": "string"},
+               "description": "The link's signature, as the server returned it (with --api-keys)"})
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,8 @@ class Operation:
     json_body: Body | None = None  # a JSON body the route reads itself (request.json())
     form_body: type[BaseModel] | None = None  # a multipart/form-data body
     other: dict[int, tuple[str, dict[str, Body]]] = field(default_factory=dict)  # non-error replies besides 200
-    headers: tuple[dict[str, Any], ...] = ()  # request headers the route reads
+    parameters: tuple[dict[str, Any], ...] = ()  # headers and query parameters the route reads itself
+    key_opens: bool = False  # an API key is accepted (not required) without the route depending on tenant_of
 
 
 ENGINE = (400, 404, 413, 429, 503, 504)  # a request run by the engine: malformed, unknown model, limits, capacity
@@ -84,8 +89,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/images/generations"): Operation(ENGINE, {JSON: m.ImagesResponse, SSE: m.ServerSentEvent}),
     ("POST", "/v1/images/edits"): Operation(ENGINE, {JSON: m.ImagesResponse, SSE: m.ServerSentEvent},
                                             json_body=m.ImageEditJson, form_body=m.ImageEditForm),
-    ("GET", "/v1/files/images/{name}"): Operation((403, 404), IMAGE_TYPES),  # 403: with API keys, an unsigned,
-    # changed or expired link (serve/signed_urls.py)
+    # 403: with API keys, an unsigned, changed or expired link; the owner's key opens it too (serve/signed_urls.py)
+    ("GET", "/v1/files/images/{name}"): Operation((403, 404), IMAGE_TYPES, parameters=IMAGE_LINK, key_opens=True),
     # -- audio ----------------------------------------------------------------------------------
     ("POST", "/v1/audio/speech"): Operation(ENGINE, {**{t: BINARY for t in SPEECH_TYPES.values()},
                                                      SSE: m.ServerSentEvent}),
@@ -98,7 +103,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         form_body=m.TranslationForm),
     # -- videos (asynchronous jobs) -------------------------------------------------------------
     ("POST", "/v1/videos"): Operation((400, 404, 413, 422, 429, 503), {JSON: m.Video}, json_body=VideoBody,
-                                      form_body=m.VideoForm, headers=(IDEMPOTENCY_KEY,)),
+                                      form_body=m.VideoForm, parameters=(IDEMPOTENCY_KEY,)),
     ("GET", "/v1/videos"): Operation((400,), {JSON: m.VideoList}),
     ("GET", "/v1/videos/{video_id}"): Operation((404,), {JSON: m.Video}),
     ("DELETE", "/v1/videos/{video_id}"): Operation((404,), {JSON: (m.Video, m.VideoDeleted)}),
@@ -109,7 +114,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/files/{file_id}"): Operation((404,), {JSON: m.FileObject}),
     ("DELETE", "/v1/files/{file_id}"): Operation((404,), {JSON: m.FileDeleted}),
     ("GET", "/v1/files/{file_id}/content"): Operation((404,), {"application/jsonl": BINARY}),
-    ("POST", "/v1/batches"): Operation((400, 404, 413, 422, 429), {JSON: m.Batch}, headers=(IDEMPOTENCY_KEY,)),
+    ("POST", "/v1/batches"): Operation((400, 404, 413, 422, 429), {JSON: m.Batch}, parameters=(IDEMPOTENCY_KEY,)),
     ("GET", "/v1/batches"): Operation((400,), {JSON: m.BatchList}),
     ("GET", "/v1/batches/{batch_id}"): Operation((404,), {JSON: m.Batch}),
     ("POST", "/v1/batches/{batch_id}/cancel"): Operation((404,), {JSON: m.Batch}),
@@ -182,10 +187,10 @@ def _describe(op: dict[str, Any], entry: Operation, *, needs_key: bool, schemas:
                                   "content": {JSON: {"schema": ref(m.Error)}},
                                   **({"headers": RETRY_AFTER} if status in (429, 503) else {})}
     op["responses"] = responses
-    if needs_key:
-        op["security"] = [{"bearerAuth": []}, {}]  # {}: a server without --api-keys needs none
-    if entry.headers:
-        op["parameters"] = [*op.get("parameters", ()), *entry.headers]
+    if needs_key or entry.key_opens:
+        op["security"] = [{"bearerAuth": []}, {}]  # {}: a server without --api-keys (or a signed link) needs none
+    if entry.parameters:
+        op["parameters"] = [*op.get("parameters", ()), *entry.parameters]
     content = {}
     if entry.json_body is not None:
         content[JSON] = {"schema": ref(entry.json_body)}

@@ -79,9 +79,14 @@ def test_errors_are_the_error_object_and_never_fastapis_422(schema):
 def test_key_routes_document_401_and_bearer_auth(schema):
     for method, path, op in _operations(schema):
         if (method, path) in UNAUTHENTICATED:
-            assert "401" not in op["responses"] and "security" not in op, f"{method} {path}"
+            assert "401" not in op["responses"], f"{method} {path}"
         else:
             assert "401" in op["responses"] and {"bearerAuth": []} in op["security"], f"{method} {path}"
+    for path in ("/health", "/ready", "/metrics"):
+        assert "security" not in schema["paths"][path]["get"], path
+    image = schema["paths"]["/v1/files/images/{name}"]["get"]  # a signed link, or the owner's key
+    assert image["security"] == [{"bearerAuth": []}, {}] and "403" in image["responses"]
+    assert {p["name"] for p in image["parameters"]} == {"name", "expires", "sig"}
     assert schema["components"]["securitySchemes"]["bearerAuth"] == {
         "type": "http", "scheme": "bearer", "description": "An API key, when the server has --api-keys"}
 
@@ -209,6 +214,19 @@ def test_system_and_lookup_replies_pass_the_schema_checks(app, schema):
         response = client.request(method, url, headers=auth, json={} if method == "POST" else None)
         assert response.status_code == status, (url, response.text)
         validate(schema_obj, method, template, response)
+
+
+def test_image_links_answer_as_documented(app, schema):
+    """With keys on: an unsigned link is a 403, the owner's key opens it (image/png)."""
+    schema_obj = schemathesis.openapi.from_dict(schema)
+    client = TestClient(app, raise_server_exceptions=False)
+    name = app.state.image_store.put(b"\x89PNG\r\n\x1a\n", "png", "alice")
+    unsigned = client.get(f"/v1/files/images/{name}")
+    assert unsigned.status_code == 403, unsigned.text
+    validate(schema_obj, "GET", "/v1/files/images/{name}", unsigned)
+    owner = client.get(f"/v1/files/images/{name}", headers={"Authorization": "Bearer sk-test"})
+    assert owner.status_code == 200 and owner.headers["content-type"] == "image/png"
+    validate(schema_obj, "GET", "/v1/files/images/{name}", owner)
 
 
 def test_the_checks_catch_an_untrue_reply(schema):
