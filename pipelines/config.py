@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pipelines.asr import AsrConfig
@@ -57,8 +58,10 @@ class ModelSpec:
         if not (self.random_weights is None or isinstance(self.random_weights, bool)):
             raise ValueError(f"model {self.name}: random_weights must be true or false, got {self.random_weights!r}")
 
-    def pool(self, kind: str) -> PoolConfig:
-        return self.pools.get(kind) or DEFAULT_POOLS.get(kind, PoolConfig())
+    def pool(self, kind: str, default: PoolConfig | None = None) -> PoolConfig:
+        """The pool of one stage kind: configured, else `default`, else DEFAULT_POOLS; it runs on the model's device."""
+        config = self.pools.get(kind) or default or DEFAULT_POOLS.get(kind, PoolConfig())
+        return dataclasses.replace(config, device=self.device)
 
     @property
     def speedups(self) -> Speedups:
@@ -175,10 +178,17 @@ class EngineConfig:
     prompt_cache_mb: int = 256  # byte budget of the prompt-embedding cache
     encoder_cache_mb: int = 512  # byte budget of the vision encoder-output cache (features live on the device)
     request_timeout_s: float | None = 600.0  # default deadline of a request
+    # The CPU cores the stage workers of CPU models share: a worker holds its pool's `threads` of them for each
+    # batch or loop step (stages/core_budget.py). None: the CPUs this process may run on (os.sched_getaffinity).
+    cpu_cores: int | None = None
     voices: tuple[VoiceSpec, ...] = ()  # realtime voice models, composed of the models above
     realtime: RealtimeConfig = RealtimeConfig()
 
     def __post_init__(self):
+        if self.cpu_cores is not None and (isinstance(self.cpu_cores, bool) or not isinstance(self.cpu_cores, int)
+                                           or self.cpu_cores < 1):
+            raise ValueError(f"engine.cpu_cores must be a whole number >= 1 (or unset: the CPUs this process may "
+                             f"run on), got {self.cpu_cores!r}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")

@@ -25,6 +25,7 @@ from pipelines.request import ImageRequest, RequestError, Task
 from pipelines.video import VideoRequest
 from pipelines.chat_parts import has_media_parts
 from pipelines.vlm import VLM_FAMILY, VLMChatModel, load_media
+from stages.core_budget import CoreBudget
 from stages.diffusion import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph
@@ -57,7 +58,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.metrics = Metrics()
-        self.executor = GraphExecutor(self.metrics)
+        self.executor = GraphExecutor(self.metrics, CoreBudget(config.cpu_cores))
         self.prompt_cache = EncoderCache("prompt_embedding", config.prompt_cache_mb << 20, self._cache_event)
         self.encoder_cache = EncoderCache("encoder_output", config.encoder_cache_mb << 20, self._cache_event)
         self.models: dict[str, ModelInfo] = {}
@@ -159,7 +160,7 @@ class Engine:
 
     def _load_embedding(self, spec: ModelSpec, family_name: str) -> None:
         embedder = EmbeddingModel(spec.name, spec.path, family_name, device=spec.device, dtype=spec.dtype)
-        self.executor.add_pool(f"{spec.name}/embed", embedder.stage, spec.pools.get("embed") or EMBED_POOL)
+        self.executor.add_pool(f"{spec.name}/embed", embedder.stage, spec.pool("embed", EMBED_POOL))
         self._embedders[spec.name] = embedder
         self._specs[spec.name] = spec
         self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, embedder.tasks, 0, 0,
@@ -169,7 +170,7 @@ class Engine:
 
     def _load_speech(self, spec: ModelSpec, family_name: str) -> None:
         speech = SpeechModel(spec.name, spec.path, family_name, device=spec.device, dtype=spec.dtype)
-        self.executor.add_pool(f"{spec.name}/tts", speech.stage, spec.pools.get("tts") or TTS_POOL)
+        self.executor.add_pool(f"{spec.name}/tts", speech.stage, spec.pool("tts", TTS_POOL))
         self._speakers[spec.name] = speech
         self._specs[spec.name] = spec
         self.models[spec.name] = ModelInfo(spec.name, family_name, spec.path, (SPEECH_TASK,), 0, 0,
@@ -179,7 +180,7 @@ class Engine:
 
     def _load_asr(self, spec: ModelSpec) -> None:
         asr = TranscriptionModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.asr)
-        self.executor.add_pool(f"{spec.name}/asr", asr.stage, spec.pools.get("asr") or ASR_POOL)
+        self.executor.add_pool(f"{spec.name}/asr", asr.stage, spec.pool("asr", ASR_POOL))
         self._transcribers[spec.name] = asr
         self._specs[spec.name] = spec
         self.models[spec.name] = ModelInfo(spec.name, ASR_FAMILY, spec.path, asr.tasks, 0, 0,

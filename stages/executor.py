@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Any
 
+from stages.core_budget import CoreBudget
 from stages.events import CapacityError, EventKind, StageError
 from stages.graph import StageGraph
 from stages.metrics import Metrics
@@ -27,8 +28,9 @@ class _Run:
 
 
 class GraphExecutor:
-    def __init__(self, metrics: Metrics | None = None):
+    def __init__(self, metrics: Metrics | None = None, budget: CoreBudget | None = None):
         self.metrics = metrics or Metrics()
+        self.budget = budget or CoreBudget()  # the cores every CPU pool's workers share (stages/core_budget.py)
         self.pools: dict[str, StagePool] = {}
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
@@ -38,7 +40,7 @@ class GraphExecutor:
     def add_pool(self, name: str, stage: Stage, config: PoolConfig | None = None) -> StagePool:
         if name in self.pools:
             raise ValueError(f"pool {name!r} already exists")
-        pool = StagePool(name, stage, config or PoolConfig(), self.metrics, self._on_done, self._on_drop)
+        pool = StagePool(name, stage, config or PoolConfig(), self.metrics, self._on_done, self._on_drop, self.budget)
         self.pools[name] = pool
         if self._started:
             pool.start()

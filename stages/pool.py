@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
+from stages.core_budget import CoreBudget, default_threads
 from stages.events import EventKind, StageError
 from stages.metrics import Metrics
 from stages.stage import LoopStage, Stage, WorkItem
@@ -22,7 +26,10 @@ class PoolConfig:
     max_batch_size: int = 1  # items per stage call
     max_delay_ms: float = 0.0  # how long a batch waits for company after its first item
     max_queue: int = 64  # admission bound; a full entry queue answers 429
-    device: str = "cpu"
+    device: str = "cpu"  # a "cpu" pool's workers share the executor's core budget (stages/core_budget.py)
+    # Torch intra-op threads of each worker, and the cores of the budget it holds while it runs a batch or
+    # a step. None: the budget's cores divided among the replicas (all of them for one replica).
+    threads: int | None = None
 
     def __post_init__(self):
         if self.replicas < 1:
@@ -33,6 +40,10 @@ class PoolConfig:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be a whole number >= 1 (or unset: the cores shared by the replicas), "
+                             f"got {self.threads!r}")
 
 
 # Called by workers: on_done(item, outputs) when an item finished; on_drop(item, error|None)
@@ -42,11 +53,16 @@ DropFn = Callable[[WorkItem, StageError | None], None]
 
 
 class StagePool:
-    def __init__(self, name: str, stage: Stage, config: PoolConfig, metrics: Metrics, on_done: DoneFn, on_drop: DropFn):
+    def __init__(self, name: str, stage: Stage, config: PoolConfig, metrics: Metrics, on_done: DoneFn, on_drop: DropFn,
+                 budget: CoreBudget | None = None):
         self.name = name
         self.stage = stage
         self.config = config
         self.metrics = metrics
+        # A CPU pool computes only while it holds `threads` cores of the shared budget; other pools do not wait.
+        self._budget = budget if config.device == "cpu" else None
+        cores = budget.cores if budget is not None else None
+        self.threads = config.threads or default_threads(config.replicas, cores)  # torch threads per worker
         self._on_done = on_done
         self._on_drop = on_drop
         self._queue: collections.deque[WorkItem] = collections.deque()
@@ -60,6 +76,7 @@ class StagePool:
         self._m_batch = metrics.batch_size.labels(**labels)
         self._m_depth = metrics.queue_depth.labels(**labels)
         self._m_active = metrics.active.labels(**labels)
+        self._m_core_wait = metrics.core_wait.labels(**labels)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -125,7 +142,14 @@ class StagePool:
             self._m_depth.set(len(self._queue))
             return batch
 
+    def _compute(self):
+        """The cores for one batch or step: held from the shared budget (waiting in line), or the worker's own."""
+        if self._budget is None:
+            return contextlib.nullcontext()
+        return self._budget.hold(self.threads, on_wait=self._m_core_wait.observe)
+
     def _batch_worker(self, worker: int) -> None:
+        torch.set_num_threads(self.threads)  # this thread's OpenMP team
         while (batch := self._take_batch(worker)) is not None:
             now = time.monotonic()
             for item in batch:
@@ -133,9 +157,10 @@ class StagePool:
                 item.emit(EventKind.STAGE_STARTED)
             self._m_active.inc(len(batch))
             try:
-                started = time.perf_counter()
-                outputs = self.stage.run_batch(batch)
-                self._m_run.observe(time.perf_counter() - started)
+                with self._compute():
+                    started = time.perf_counter()
+                    outputs = self.stage.run_batch(batch)
+                    self._m_run.observe(time.perf_counter() - started)
                 self._m_batch.observe(len(batch))
                 for item, out in zip(batch, outputs, strict=True):
                     self._finish(item, out)
@@ -153,19 +178,13 @@ class StagePool:
         active: list[WorkItem] = []
         turn: dict[Any, int] = {}  # batch key -> last step counter it ran at (round robin)
         counter = 0
+        torch.set_num_threads(self.threads)  # this thread's OpenMP team
         while True:
             joining = self._admit_to_loop(worker, active)
             if joining is None:
                 break
-            for item in joining:
-                self._m_queue_age.observe(time.monotonic() - item.enqueued_at)
-                item.emit(EventKind.STAGE_STARTED)
-                try:
-                    stage.start(item)
-                    active.append(item)
-                    self._m_active.inc()
-                except Exception as exc:
-                    self._fail_all([item], exc)
+            if joining:
+                self._start_items(stage, joining, active)
             # Leave at a step boundary: cancelled, expired or closed requests.
             for item in [i for i in active if i.request.should_stop()]:
                 active.remove(item)
@@ -185,9 +204,10 @@ class StagePool:
             turn[key] = counter
             # Run one step, then commit: finished items leave the loop.
             try:
-                started = time.perf_counter()
-                stage.step(batch)
-                self._m_run.observe(time.perf_counter() - started)
+                with self._compute():
+                    started = time.perf_counter()
+                    stage.step(batch)
+                    self._m_run.observe(time.perf_counter() - started)
                 self._m_batch.observe(len(batch))
                 for item in batch:
                     item.steps_run += 1
@@ -207,6 +227,19 @@ class StagePool:
         for item in active:
             stage.abort(item)
             self._drop(item, StageError("shutting_down", "the server is shutting down", status=503))
+
+    def _start_items(self, stage: LoopStage, joining: list[WorkItem], active: list[WorkItem]) -> None:
+        """Items join the loop at a step boundary (their initial latents, scheduler, ...)."""
+        with self._compute():
+            for item in joining:
+                self._m_queue_age.observe(time.monotonic() - item.enqueued_at)
+                item.emit(EventKind.STAGE_STARTED)
+                try:
+                    stage.start(item)
+                    active.append(item)
+                    self._m_active.inc()
+                except Exception as exc:
+                    self._fail_all([item], exc)
 
     def _admit_to_loop(self, worker: int, active: list[WorkItem]) -> list[WorkItem] | None:
         """Take queued items into the loop. Blocks only when the loop has nothing to do."""

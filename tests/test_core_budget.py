@@ -1,0 +1,214 @@
+"""The core budget: CPU stage workers run with their pool's torch thread count, and busy workers together
+never hold more cores than the budget has (stages/core_budget.py). No timing thresholds: the checks are on
+thread counts, on who is inside a stage, and on the order the budget serves its waiters."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from pipelines.config import EngineConfig, ModelSpec
+from pipelines.engine import Engine
+from pipelines.request import ImageRequest
+from serve.config import load_config
+from stages.core_budget import CoreBudget, available_cores
+from stages.executor import GraphExecutor
+from stages.graph import StageGraph
+from stages.pool import PoolConfig
+from stages.stage import LoopStage, Stage, WorkItem
+from tests.helpers import running_engine
+
+
+class Recording(Stage):
+    """Records the torch thread count it runs with; optionally waits inside until told to leave."""
+
+    def __init__(self, hold: threading.Event | None = None):
+        self.threads: list[int] = []
+        self.inside = threading.Event()
+        self.hold = hold
+
+    def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        self.threads.append(torch.get_num_threads())
+        self.inside.set()
+        if self.hold is not None:
+            assert self.hold.wait(30), "the test never let the stage finish"
+        return [{} for _ in items]
+
+
+class RecordingLoop(LoopStage):
+    def __init__(self):
+        self.threads: list[int] = []
+
+    def start(self, item: WorkItem) -> None:
+        item.state["i"] = 0
+
+    def step(self, items: list[WorkItem]) -> None:
+        self.threads.append(torch.get_num_threads())
+        for item in items:
+            item.state["i"] += 1
+
+    def is_done(self, item: WorkItem) -> bool:
+        return item.state["i"] >= 3
+
+    def finish(self, item: WorkItem) -> dict[str, Any]:
+        return {}
+
+
+@pytest.fixture
+def executor():
+    ex = GraphExecutor(budget=CoreBudget(2))
+    yield ex
+    ex.shutdown()
+
+
+def run(ex: GraphExecutor, pool: str) -> None:
+    ex.submit(StageGraph.chain(("only", pool)), {}).result(timeout=30)
+
+
+def test_workers_run_with_their_pools_threads(executor):
+    one, default, loop = Recording(), Recording(), RecordingLoop()
+    executor.add_pool("one", one, PoolConfig(threads=1))
+    executor.add_pool("default", default, PoolConfig())
+    executor.add_pool("replicas", Recording(), PoolConfig(replicas=2))
+    executor.add_pool("loop", loop, PoolConfig(threads=1))
+    executor.start()
+    for pool in ("one", "default", "loop", "one", "default"):
+        run(executor, pool)
+    assert one.threads == [1, 1]
+    assert default.threads == [2, 2]  # the budget's cores, one replica
+    assert loop.threads == [1, 1, 1]
+    assert executor.pools["replicas"].threads == 1  # two replicas share the two cores
+    assert executor.pools["default"].threads == 2
+
+
+def test_budget_defaults_to_the_cores_this_process_may_use():
+    assert CoreBudget().cores == available_cores()
+    assert GraphExecutor().budget.cores == available_cores()
+
+
+def test_a_busy_cpu_pool_keeps_the_others_out_until_it_is_done(executor):
+    release = threading.Event()
+    first, second = Recording(hold=release), Recording()
+    executor.add_pool("first", first, PoolConfig())
+    executor.add_pool("second", second, PoolConfig())
+    executor.start()
+    a = executor.submit(StageGraph.chain(("only", "first")), {})
+    assert first.inside.wait(30)
+    b = executor.submit(StageGraph.chain(("only", "second")), {})
+    assert not second.inside.wait(0.3), "a second pool computed while the first held every core"
+    assert executor.budget.free == 0
+    release.set()
+    a.result(timeout=30), b.result(timeout=30)
+    assert second.threads == [2]
+    assert executor.budget.free == 2
+
+
+def test_pools_that_fit_together_run_together(executor):
+    release = threading.Event()
+    first, second = Recording(hold=release), Recording()
+    executor.add_pool("first", first, PoolConfig(threads=1))
+    executor.add_pool("second", second, PoolConfig(threads=1))
+    executor.start()
+    a = executor.submit(StageGraph.chain(("only", "first")), {})
+    assert first.inside.wait(30)
+    run(executor, "second")  # one core each: the second does not wait for the first
+    release.set()
+    a.result(timeout=30)
+
+
+def test_a_gpu_pool_does_not_take_from_the_cpu_budget(executor):
+    release = threading.Event()
+    gpu, cpu = Recording(hold=release), Recording()
+    executor.add_pool("gpu", gpu, PoolConfig(device="cuda"))
+    executor.add_pool("cpu", cpu, PoolConfig())
+    executor.start()
+    a = executor.submit(StageGraph.chain(("only", "gpu")), {})
+    assert gpu.inside.wait(30)
+    run(executor, "cpu")
+    release.set()
+    a.result(timeout=30)
+
+
+def test_waiters_are_served_in_arrival_order_and_a_releaser_cannot_jump_the_line():
+    budget = CoreBudget(2)
+    order: list[str] = []
+    queued = {name: threading.Event() for name in ("a", "b")}
+
+    def worker(name: str, threads: int):
+        queued[name].set()
+        with budget.hold(threads):
+            order.append(name)
+
+    with budget.hold(2):
+        ta = threading.Thread(target=worker, args=("a", 2))
+        ta.start()
+        queued["a"].wait(30)
+        _wait_until(lambda: budget.waiting == 1)
+        tb = threading.Thread(target=worker, args=("b", 1))  # would fit in 1 core, but it is behind a
+        tb.start()
+        _wait_until(lambda: budget.waiting == 2)
+    ta.join(30), tb.join(30)
+    assert order == ["a", "b"]
+    # A worker that releases and asks again goes behind the one already waiting.
+    order.clear()
+    with budget.hold(2):
+        tb = threading.Thread(target=worker, args=("b", 2))
+        tb.start()
+        _wait_until(lambda: budget.waiting == 1)
+    with budget.hold(2):
+        order.append("again")
+    tb.join(30)
+    assert order == ["b", "again"]
+
+
+def _wait_until(condition, timeout: float = 30.0) -> None:
+    done = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        done.wait(0.01)
+    raise AssertionError("condition never held")
+
+
+def test_threads_and_cpu_cores_are_validated():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="threads"):
+            PoolConfig(threads=bad)
+        with pytest.raises(ValueError, match="cpu_cores"):
+            EngineConfig(models=(), cpu_cores=bad)
+
+
+def test_config_file_sets_pool_threads_and_the_engines_cores(tmp_path):
+    path = tmp_path / "mmserve.toml"
+    path.write_text('[engine]\ncpu_cores = 1\n[[models]]\nname = "m"\npath = "/x"\ndevice = "cuda"\n'
+                    '[models.pools.denoise]\nthreads = 3\n')
+    engine_config = load_config(path).engine
+    spec = engine_config.models[0]
+    assert spec.pool("denoise").threads == 3
+    assert spec.pool("denoise").device == "cuda"  # a model's pools run on its device (no CPU budget)
+    assert spec.pool("vae_decode").device == "cuda"
+    assert Engine(engine_config).executor.budget.cores == 1
+
+
+def test_the_denoise_worker_of_a_served_model_uses_its_pools_threads(sd_path):
+    pools = {"denoise": PoolConfig(threads=1), "vae_decode": PoolConfig(threads=2)}
+    with running_engine(sd_path, pools=pools) as eng:
+        family = eng._families["m"]
+        seen: dict[str, list[int]] = {"forward": [], "decode": []}
+        forward, decode = family.forward, family.decode
+
+        def recording_forward(items):
+            seen["forward"].append(torch.get_num_threads())
+            return forward(items)
+
+        def recording_decode(items):
+            seen["decode"].append(torch.get_num_threads())
+            return decode(items)
+
+        family.forward, family.decode = recording_forward, recording_decode
+        eng.submit_image("m", ImageRequest(prompt="a", num_inference_steps=2, seed=0)).result(timeout=120)
+    assert seen["forward"] == [1, 1]
+    assert seen["decode"] == [2]
