@@ -27,14 +27,16 @@ class VideoTask(str, enum.Enum):
 class VideoLimits:
     max_frames: int = 257  # frames of one video
     max_pixels: int = 1280 * 720  # width * height of one frame
+    min_fps: float = 1.0  # the MP4 time base is 1/fps: below one frame a second it stops being a video
     max_fps: float = 60.0
     max_steps: int = 200
     max_guidance: float = 50.0
     max_prompt_chars: int = 4000
 
     def __post_init__(self):
-        if self.max_frames < 1 or self.max_pixels < 64 or self.max_steps < 1 or self.max_fps <= 0:
-            raise ValueError("video limits must allow at least one small frame, one step and a positive fps")
+        if self.max_frames < 1 or self.max_pixels < 64 or self.max_steps < 1 or not 0 < self.min_fps <= self.max_fps:
+            raise ValueError("video limits must allow at least one small frame, one step and an fps range "
+                             "0 < min_fps <= max_fps")
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,8 @@ class VideoRequest:
             raise RequestError("size", f"{width}x{height} is {width * height} pixels a frame; the limit is "
                                        f"{limits.max_pixels}", code="unsupported_size")
         fps = self.fps if self.fps is not None else default_fps
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= limits.max_fps:
-            raise RequestError("fps", f"fps must be in (0, {limits.max_fps}]; got {fps!r}")
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not limits.min_fps <= fps <= limits.max_fps:
+            raise RequestError("fps", f"fps must be in [{limits.min_fps:g}, {limits.max_fps:g}]; got {fps!r}")
         if self.num_frames is None and self.seconds is not None:
             frames = self._frames_of_seconds(fps, frame_factor, limits)
         else:

@@ -8,10 +8,14 @@ store's `signer`). Entries leave oldest-first when the count or byte budget is e
 from __future__ import annotations
 
 import collections
+import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import quote
+
+from starlette.responses import StreamingResponse
 
 from serve.auth import DEFAULT_TENANT
 from serve.signed_urls import UrlSigner
@@ -77,3 +81,25 @@ class ImageStore:
                 break
             del self._items[oldest_id]
             self._bytes -= len(oldest.data)
+
+
+def download_response(path, media_type: str, gone: Exception, *, filename: str | None = None) -> StreamingResponse:
+    """A stored result file as a streamed reply, read from a handle opened now: a DELETE (or an expiry sweep) that
+    unlinks the file while the reply is sent cannot break it (POSIX keeps an open file readable). `gone` (an
+    ApiError, 404) is raised when the file is no longer there to open."""
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        raise gone from None
+    headers = {"content-length": str(os.fstat(handle.fileno()).st_size)}
+    if filename is not None:
+        quoted = quote(filename)
+        headers["content-disposition"] = (f'attachment; filename="{filename}"' if quoted == filename
+                                          else f"attachment; filename*=utf-8''{quoted}")
+
+    def chunks():
+        with handle:
+            while chunk := handle.read(1 << 16):
+                yield chunk
+
+    return StreamingResponse(chunks(), media_type=media_type, headers=headers)

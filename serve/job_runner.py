@@ -28,6 +28,8 @@ from serve.jobs import VIDEO_REQUEST_FIELDS, JobStore, write_atomic
 from stages.events import EventKind, StageError
 
 log = logging.getLogger(__name__)
+# What a job that failed on an unexpected exception says: the details go to the log, never to the client (as a 500).
+INTERNAL_JOB_ERROR = {"code": "internal_error", "message": "the job failed inside the server; the error has been logged"}
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,9 @@ class JobRunner:
                     self.store.finish_job(job_id, "failed", error={"code": e.code, "message": e.message})
             except asyncio.CancelledError:
                 raise  # the server is stopping: the job stays in_progress and restarts on the next start
-            except Exception as e:  # a failed job is recorded, never silently lost
+            except Exception:  # a failed job is recorded, never silently lost
                 log.exception("video job %s failed", job_id)
-                self.store.finish_job(job_id, "failed", error={"code": "internal_error", "message": str(e)})
+                self.store.finish_job(job_id, "failed", error=INTERNAL_JOB_ERROR)
             finally:
                 handle = self._handles.pop(job_id, None)
                 if handle is not None and not handle.done:
@@ -207,9 +209,9 @@ class JobRunner:
             if self.store.get_job(job_id).status == "cancelling":
                 await self._finish_batch(job_id, "cancelled")  # partial results stay downloadable
             raise
-        except Exception as e:
+        except Exception:
             log.exception("batch %s failed", job_id)
-            self.store.finish_job(job_id, "failed", error={"code": "internal_error", "message": str(e)})
+            self.store.finish_job(job_id, "failed", error=INTERNAL_JOB_ERROR)
 
     async def _batch_line(self, client: httpx.AsyncClient, job_id: str, index: int, text: str, endpoint: str,
                           headers: dict[str, str]) -> None:

@@ -104,6 +104,19 @@ class IdempotencyKeyReused(ApiError):
                          param="Idempotency-Key", code="idempotency_key_reused")
 
 
+MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe allows
+
+
+def idempotency_key(headers) -> str | None:
+    """The request's Idempotency-Key, or None: an empty or all-whitespace header is no key (else every such request
+    of a tenant would be tied to the first one). Raises ApiError (400) for a key over 255 characters."""
+    key = (headers.get("idempotency-key") or "").strip()
+    if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        raise ApiError(400, f"Idempotency-Key is {len(key)} characters; the limit is {MAX_IDEMPOTENCY_KEY_CHARS}",
+                       param="Idempotency-Key", code="invalid_value")
+    return key or None
+
+
 def request_digest(body: dict[str, Any], *blobs: bytes) -> str:
     """The identity of a request body: SHA-256 of its canonical JSON (sorted keys, no whitespace) and of each
     uploaded blob. Equal for the same fields however they were spelled (key order, JSON or multipart)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -20,7 +19,8 @@ from starlette.formparsers import MultiPartException
 from serve.auth import tenant_of
 from serve.batch_lines import BATCH_ENDPOINTS, split_lines
 from serve.errors import ApiError
-from serve.jobs import Job, StoredFile, request_digest
+from serve.files import download_response
+from serve.jobs import Job, StoredFile, idempotency_key, request_digest
 
 router = APIRouter()
 FILE_PURPOSES = ("batch", "user_data")  # what callers upload; "batch_output" is what the server writes
@@ -78,7 +78,8 @@ async def get_file(file_id: str, request: Request, tenant: str = Depends(tenant_
 @router.get("/v1/files/{file_id}/content")
 async def get_file_content(file_id: str, request: Request, tenant: str = Depends(tenant_of)):
     stored = _file(request, file_id, tenant)
-    return FileResponse(stored.path, media_type="application/jsonl", filename=stored.filename)
+    gone = ApiError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")  # deleted meanwhile
+    return download_response(stored.path, "application/jsonl", gone, filename=stored.filename)
 
 
 @router.delete("/v1/files/{file_id}")
@@ -116,15 +117,15 @@ async def create_batch(body: BatchBody, request: Request, tenant: str = Depends(
     if source is None:
         raise ApiError(404, f"No such File object: {body.input_file_id}", param="input_file_id",
                        code="file_not_found")
-    idempotency_key = request.headers.get("idempotency-key")
+    key = idempotency_key(request.headers)
     digest = request_digest(body.model_dump(mode="json"))  # a reused key must bring the same body (else 422)
-    if not idempotency_key or state.job_store.find_by_key(tenant, "batch", idempotency_key, digest) is None:
+    if not key or state.job_store.find_by_key(tenant, "batch", key, digest) is None:
         state.job_runner.check_quota(tenant, "batch")  # a retry never counts against the quota
     total = len(split_lines(source.path.read_bytes()))
     job, created = state.job_store.create_job(
         "batch", tenant, {"input_file_id": body.input_file_id, "endpoint": body.endpoint,
                           "completion_window": body.completion_window, "metadata": body.metadata, "total": total},
-        prefix="batch", idempotency_key=idempotency_key, request_hash=digest)
+        prefix="batch", idempotency_key=key, request_hash=digest)
     if created:
         state.job_runner.schedule(job.id)
     return batch_object(state.job_store, job)

@@ -13,7 +13,6 @@ import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -24,7 +23,8 @@ from pipelines.video import VideoRequest, VideoTask
 from serve.auth import tenant_of
 from serve.bodies import read_json_object
 from serve.errors import ApiError
-from serve.jobs import VIDEO_REQUEST_FIELDS, Job, request_digest, write_atomic
+from serve.files import download_response
+from serve.jobs import VIDEO_REQUEST_FIELDS, Job, idempotency_key, request_digest, write_atomic
 from serve.models import resolve_model
 from serve.schemas import StepCacheBody, json_object, parse_size
 
@@ -80,7 +80,7 @@ async def create_video(request: Request, tenant: str = Depends(tenant_of)):
     state = request.app.state
     engine, store, runner = state.engine, state.job_store, state.job_runner
     body, image, uploaded = await _read(request)
-    key = request.headers.get("idempotency-key")
+    key = idempotency_key(request.headers)
     # The body as sent (an uploaded image by its bytes; a URL or data: URI is in the body): a reused key must bring it.
     digest = request_digest(body.model_dump(mode="json"), *([image] if uploaded else []))
     retried = store.find_by_key(tenant, "video", key, digest) if key else None  # 422 if the body differs
@@ -128,9 +128,9 @@ async def get_video_content(video_id: str, request: Request, variant: Literal["v
                        param="video_id", code="video_not_ready")
     suffix, media_type = (".jpg", "image/jpeg") if variant == "thumbnail" else (".mp4", "video/mp4")
     path = request.app.state.job_store.results_dir / f"{video_id}{suffix}"
-    if not path.exists():  # expired a moment ago (the sweep has not marked it yet)
-        raise ApiError(404, f"the content of video {video_id} has expired", param="video_id", code="video_expired")
-    return FileResponse(path, media_type=media_type)
+    # Gone: expired a moment ago (the sweep has not marked it yet) or deleted by a concurrent DELETE.
+    gone = ApiError(404, f"the content of video {video_id} has expired", param="video_id", code="video_expired")
+    return download_response(path, media_type, gone)
 
 
 @router.delete("/v1/videos/{video_id}")

@@ -291,6 +291,26 @@ def test_video_model_choice_seconds_and_idempotency_errors(server):
     assert changed.json()["error"]["param"] == "Idempotency-Key"
 
 
+def test_video_fps_floor_and_blank_idempotency_keys(server):
+    url = server.url
+    # an fps the MP4 time base cannot hold is refused at the POST, not a failed job later (it was Fraction(1, 0))
+    tiny = httpx.post(f"{url}/v1/videos", json={**VIDEO, "fps": 1e-300}, timeout=30)
+    assert tiny.status_code == 400 and tiny.json()["error"]["param"] == "fps", tiny.text
+    assert "[1, 60]" in tiny.json()["error"]["message"]
+    # an empty Idempotency-Key is no key: it ties nothing to the first request sent with it
+    ids = []
+    for prompt, key in (("one", ""), ("two", ""), ("three", "")):
+        r = httpx.post(f"{url}/v1/videos", json={**VIDEO, "prompt": prompt}, headers={"Idempotency-Key": key},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    assert len(set(ids)) == 3
+    for video_id in ids:
+        httpx.delete(f"{url}/v1/videos/{video_id}", timeout=30)
+    long = httpx.post(f"{url}/v1/videos", json=VIDEO, headers={"Idempotency-Key": "k" * 256}, timeout=30)
+    assert long.status_code == 400 and long.json()["error"]["param"] == "Idempotency-Key", long.text
+
+
 def test_batch_idempotency_key_needs_the_same_body(client):
     lines = [{"custom_id": "e", "url": "/v1/embeddings", "body": {"model": "clip-demo", "input": "a"}}]
     f = client.files.create(file=("one.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")

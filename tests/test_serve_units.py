@@ -102,3 +102,27 @@ def test_batch_line_errors_mask_a_token_in_the_url():
     with pytest.raises(LineError) as e:
         parse_line(line, 0, None)
     assert "api_key=***" in e.value.message and "sk-SECRET" not in e.value.message
+
+
+def test_a_download_survives_its_file_being_deleted_and_a_gone_file_is_the_given_404(tmp_path):
+    import asyncio
+
+    from serve.errors import ApiError
+    from serve.files import download_response
+
+    path = tmp_path / "video.mp4"
+    data = bytes(range(256)) * 1000  # several read chunks
+    path.write_bytes(data)
+    gone = ApiError(404, "gone", param="video_id", code="video_expired")
+    response = download_response(path, "video/mp4", gone, filename="clip ü.mp4")
+    path.unlink()  # a DELETE that lands after the reply was made, before its body is sent
+
+    async def body() -> bytes:
+        return b"".join([chunk async for chunk in response.body_iterator])
+
+    assert asyncio.run(body()) == data
+    assert response.headers["content-length"] == str(len(data))
+    assert response.headers["content-disposition"] == "attachment; filename*=utf-8''clip%20%C3%BC.mp4"
+    with pytest.raises(ApiError) as e:
+        download_response(path, "video/mp4", gone)
+    assert e.value is gone
