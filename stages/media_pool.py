@@ -188,14 +188,22 @@ class MediaPool:
             if self.metrics is not None:
                 self.metrics.queue_age.labels(stage=f"media/{task.fn_name}", model="").observe(started - task.enqueued_at)
             value, error, lost = None, None, False
-            try:
-                if worker is None:
-                    worker = self._spawn()
-                value = self._execute(worker, task)
-            except _WorkerLost as e:
-                error, lost = e.error, True
-            except Exception as e:  # the function's own error, a spawn failure, or unpicklable arguments
-                error = e
+            for attempt in range(2):  # a second attempt only when the task never reached the worker
+                try:
+                    if worker is None:
+                        worker = self._spawn()
+                    value = self._execute(worker, task)
+                except _WorkerLost as e:
+                    error, lost = e.error, True
+                    if not e.delivered and attempt == 0:  # an idle worker died: the task is untouched, run it anew
+                        self._stop(worker, kill=True)
+                        worker, error, lost = None, None, False
+                        with self._lock:
+                            self.workers_replaced += 1
+                        continue
+                except Exception as e:  # the function's own error, a spawn failure, or unpicklable arguments
+                    error = e
+                break
             if lost:
                 self._stop(worker, kill=True)
                 worker = None
@@ -213,7 +221,8 @@ class MediaPool:
         try:
             worker.conn.send_bytes(payload)
         except OSError as e:
-            raise _WorkerLost(MediaError("media_worker", f"media worker pipe broke sending {name}: {e}")) from None
+            raise _WorkerLost(MediaError("media_worker", f"media worker pipe broke sending {name}: {e}"),
+                              delivered=False) from None
         if not wait([worker.conn], timeout=self.task_timeout_s):
             raise _WorkerLost(MediaError("media_timeout", f"{name} ran longer than task_timeout_s="
                                                           f"{self.task_timeout_s} s; the worker was replaced"))
@@ -319,11 +328,13 @@ def _exit_reason(code: int) -> str:
 
 
 class _WorkerLost(Exception):
-    """The worker cannot be trusted with another task; `error` is what the task reports."""
+    """The worker cannot be trusted with another task; `error` is what the task reports. `delivered` False: the
+    worker was gone before the task was sent (a pipe that broke while it sat idle), so the task never ran."""
 
-    def __init__(self, error: MediaError):
+    def __init__(self, error: MediaError, *, delivered: bool = True):
         super().__init__(error)
         self.error = error
+        self.delivered = delivered
 
 
 # -- inside the child ---------------------------------------------------------------------------

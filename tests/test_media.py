@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import signal
 import struct
 import time
 import zlib
@@ -217,6 +218,28 @@ def test_crash_fails_only_its_task(pool, how):
     assert all(f.result(timeout=10)[0] != os.getpid() for f in others)
     assert pool.workers_replaced == replaced + 1
     assert pool.run("_test_echo", "still here")[1] == "still here"
+
+
+def test_a_worker_that_died_idle_costs_its_next_task_nothing():
+    with MediaPool(workers=1, task_cpu_s=5, task_memory_mb=0, task_timeout_s=10,
+                   extra_functions=TEST_FUNCTIONS) as pool:
+        pid, _ = pool.run("_test_echo", 1)
+        os.kill(pid, signal.SIGKILL)  # dies between tasks: the next task finds its pipe broken when sending
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _state(pid) not in ("Z", None):
+            time.sleep(0.02)
+        new_pid, value = pool.run("_test_echo", "delivered")  # sent again to a fresh worker, not failed
+        assert value == "delivered" and new_pid != pid
+        assert pool.workers_replaced == 1 and pool.tasks_failed == 0
+
+
+def _state(pid: int) -> str | None:
+    """The /proc state letter of `pid` (Z: exited, not yet reaped), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
 
 
 def test_cpu_burn_past_the_limit_is_a_timeout():
