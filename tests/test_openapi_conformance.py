@@ -74,9 +74,8 @@ def demo_server(demo_models, tmp_path_factory):
 def test_schemathesis_finds_every_reply_documented(demo_server, tmp_path):
     cli = Path(sys.executable).with_name("schemathesis")
     command = [str(cli), "--config-file", str(CONFIG), "run", f"{demo_server}/openapi.json", "--checks", CHECKS,
-               # One worker: with two, one deletes a video or file while the other downloads it, and the download
-               # breaks off (a known server race, /tmp/readme-notes/h4-findings.md); back to 2 once it is fixed.
-               "--workers", "1", "--request-timeout", "60", "--generation-database", "none", "--no-color"]
+               # Two workers, as the by-hand command: one may delete a video or file while the other downloads it.
+               "--workers", "2", "--request-timeout", "60", "--generation-database", "none", "--no-color"]
     try:
         run = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True,
                              timeout=SCHEMATHESIS_TIMEOUT_S)
