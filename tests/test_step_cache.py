@@ -260,7 +260,7 @@ def test_video_jobs_carry_the_step_cache_to_the_engine(engines):
     from serve.routes_videos import VideoBody, precheck
 
     body = VideoBody.model_validate({"prompt": "waves", "step_cache": '{"method": "fbcache", "threshold": 0.1}'})
-    fields = body.video_fields("m", default_fps=16, frame_factor=4)
+    fields = body.video_fields("m")
     assert fields["step_cache"] == {"method": "fbcache", "threshold": 0.1}
     precheck(engines["wan"], "m", {**fields, "width": 32, "height": 32, "num_frames": 9}, None, "default")
     with pytest.raises(ValidationError):
