@@ -59,8 +59,10 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: random_weights must be true or false, got {self.random_weights!r}")
 
     def pool(self, kind: str, default: PoolConfig | None = None) -> PoolConfig:
-        """The pool of one stage kind: configured, else `default`, else DEFAULT_POOLS; it runs on the model's device."""
-        config = self.pools.get(kind) or default or DEFAULT_POOLS.get(kind, PoolConfig())
+        """The pool of one stage kind: configured, else `default`, else CPU_POOLS (a CPU model), else DEFAULT_POOLS;
+        it runs on the model's device."""
+        cpu = CPU_POOLS.get(kind) if self.device == "cpu" else None
+        config = self.pools.get(kind) or default or cpu or DEFAULT_POOLS.get(kind, PoolConfig())
         return dataclasses.replace(config, device=self.device)
 
     @property
@@ -79,6 +81,10 @@ DEFAULT_POOLS = {
     "denoise": PoolConfig(max_batch_size=8, max_delay_ms=0.0, max_queue=64),
     "vae_decode": PoolConfig(max_batch_size=4, max_delay_ms=2.0, max_queue=256),
 }
+# On a CPU a VAE decode is compute-bound and its activations outgrow the caches as the batch grows: past two images
+# a call decodes slower per image (measured with examples/bench_images.py's checkpoint: 4 images at 256x256 cost 8 %
+# more each than 1 or 2; at 128x128, 2 are the fastest).
+CPU_POOLS = {"vae_decode": PoolConfig(max_batch_size=2, max_delay_ms=2.0, max_queue=256)}
 
 
 @dataclass(frozen=True)
@@ -178,17 +184,18 @@ class EngineConfig:
     prompt_cache_mb: int = 256  # byte budget of the prompt-embedding cache
     encoder_cache_mb: int = 512  # byte budget of the vision encoder-output cache (features live on the device)
     request_timeout_s: float | None = 600.0  # default deadline of a request
-    # The CPU cores the stage workers of CPU models share: a worker holds its pool's `threads` of them for each
-    # batch or loop step (stages/core_budget.py). None: the CPUs this process may run on (os.sched_getaffinity).
-    cpu_cores: int | None = None
+    # The torch threads the stage workers of CPU models may run at once, all pools together: a worker holds its
+    # pool's `threads` for each batch or loop step (stages/thread_budget.py). None: twice the CPUs this process may
+    # run on (os.sched_getaffinity), so two busy stages each run on every core and a third waits.
+    cpu_threads: int | None = None
     voices: tuple[VoiceSpec, ...] = ()  # realtime voice models, composed of the models above
     realtime: RealtimeConfig = RealtimeConfig()
 
     def __post_init__(self):
-        if self.cpu_cores is not None and (isinstance(self.cpu_cores, bool) or not isinstance(self.cpu_cores, int)
-                                           or self.cpu_cores < 1):
-            raise ValueError(f"engine.cpu_cores must be a whole number >= 1 (or unset: the CPUs this process may "
-                             f"run on), got {self.cpu_cores!r}")
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
+                                             or self.cpu_threads < 1):
+            raise ValueError(f"engine.cpu_threads must be a whole number >= 1 (or unset: twice the CPUs this process "
+                             f"may run on), got {self.cpu_threads!r}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")

@@ -25,7 +25,7 @@ from pipelines.request import ImageRequest, RequestError, Task
 from pipelines.video import VideoRequest
 from pipelines.chat_parts import has_media_parts
 from pipelines.vlm import VLM_FAMILY, VLMChatModel, load_media
-from stages.core_budget import CoreBudget
+from stages.thread_budget import ThreadBudget
 from stages.diffusion import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph
@@ -58,7 +58,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.metrics = Metrics()
-        self.executor = GraphExecutor(self.metrics, CoreBudget(config.cpu_cores))
+        self.executor = GraphExecutor(self.metrics, ThreadBudget(config.cpu_threads))
         self.prompt_cache = EncoderCache("prompt_embedding", config.prompt_cache_mb << 20, self._cache_event)
         self.encoder_cache = EncoderCache("encoder_output", config.encoder_cache_mb << 20, self._cache_event)
         self.models: dict[str, ModelInfo] = {}

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from stages.core_budget import CoreBudget
+from stages.thread_budget import ThreadBudget
 from stages.events import CapacityError, EventKind, StageError
 from stages.graph import StageGraph
 from stages.metrics import Metrics
@@ -28,9 +28,9 @@ class _Run:
 
 
 class GraphExecutor:
-    def __init__(self, metrics: Metrics | None = None, budget: CoreBudget | None = None):
+    def __init__(self, metrics: Metrics | None = None, budget: ThreadBudget | None = None):
         self.metrics = metrics or Metrics()
-        self.budget = budget or CoreBudget()  # the cores every CPU pool's workers share (stages/core_budget.py)
+        self.budget = budget or ThreadBudget()  # torch threads all CPU pools' workers share (stages/thread_budget.py)
         self.pools: dict[str, StagePool] = {}
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()

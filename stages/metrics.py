@@ -20,9 +20,9 @@ class Metrics:
                                     ["stage", "model"], buckets=_BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("mmserve_stage_queue_depth", "Items waiting in a stage queue", ["stage", "model"], registry=r)
         self.active = Gauge("mmserve_stage_active_items", "Items a stage is working on", ["stage", "model"], registry=r)
-        self.core_wait = Histogram("mmserve_stage_core_wait_seconds", "Time a CPU stage worker waited for its cores "
-                                   "(the shared core budget) before a batch or loop step", ["stage", "model"],
-                                   buckets=_TIME_BUCKETS, registry=r)
+        self.thread_wait = Histogram("mmserve_stage_thread_wait_seconds", "Time a CPU stage worker waited for its "
+                                     "torch threads (the shared thread budget) before a batch or loop step",
+                                     ["stage", "model"], buckets=_TIME_BUCKETS, registry=r)
         self.requests = Counter("mmserve_requests_total", "HTTP requests by route and status", ["route", "status"], registry=r)
         self.graph_requests = Counter("mmserve_graph_requests_total", "Graph requests by model and outcome",
                                       ["model", "outcome"], registry=r)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from stages.core_budget import CoreBudget, default_threads
+from stages.thread_budget import ThreadBudget, default_threads
 from stages.events import EventKind, StageError
 from stages.metrics import Metrics
 from stages.stage import LoopStage, Stage, WorkItem
@@ -26,9 +26,9 @@ class PoolConfig:
     max_batch_size: int = 1  # items per stage call
     max_delay_ms: float = 0.0  # how long a batch waits for company after its first item
     max_queue: int = 64  # admission bound; a full entry queue answers 429
-    device: str = "cpu"  # a "cpu" pool's workers share the executor's core budget (stages/core_budget.py)
-    # Torch intra-op threads of each worker, and the cores of the budget it holds while it runs a batch or
-    # a step. None: the budget's cores divided among the replicas (all of them for one replica).
+    device: str = "cpu"  # a "cpu" pool's workers share the executor's thread budget (stages/thread_budget.py)
+    # Torch intra-op threads of each worker (its OpenMP team), held from the budget while it runs a batch or a
+    # step. None: the cores this process may use (os.sched_getaffinity), shared by the replicas.
     threads: int | None = None
 
     def __post_init__(self):
@@ -54,15 +54,14 @@ DropFn = Callable[[WorkItem, StageError | None], None]
 
 class StagePool:
     def __init__(self, name: str, stage: Stage, config: PoolConfig, metrics: Metrics, on_done: DoneFn, on_drop: DropFn,
-                 budget: CoreBudget | None = None):
+                 budget: ThreadBudget | None = None):
         self.name = name
         self.stage = stage
         self.config = config
         self.metrics = metrics
-        # A CPU pool computes only while it holds `threads` cores of the shared budget; other pools do not wait.
+        # A CPU pool computes only while it holds `threads` of the shared budget; other pools do not wait.
         self._budget = budget if config.device == "cpu" else None
-        cores = budget.cores if budget is not None else None
-        self.threads = config.threads or default_threads(config.replicas, cores)  # torch threads per worker
+        self.threads = config.threads or default_threads(config.replicas)  # torch threads per worker
         self._on_done = on_done
         self._on_drop = on_drop
         self._queue: collections.deque[WorkItem] = collections.deque()
@@ -76,7 +75,7 @@ class StagePool:
         self._m_batch = metrics.batch_size.labels(**labels)
         self._m_depth = metrics.queue_depth.labels(**labels)
         self._m_active = metrics.active.labels(**labels)
-        self._m_core_wait = metrics.core_wait.labels(**labels)
+        self._m_thread_wait = metrics.thread_wait.labels(**labels)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -143,10 +142,10 @@ class StagePool:
             return batch
 
     def _compute(self):
-        """The cores for one batch or step: held from the shared budget (waiting in line), or the worker's own."""
+        """The threads for one batch or step: held from the shared budget (waiting in line), or the worker's own."""
         if self._budget is None:
             return contextlib.nullcontext()
-        return self._budget.hold(self.threads, on_wait=self._m_core_wait.observe)
+        return self._budget.hold(self.threads, on_wait=self._m_thread_wait.observe)
 
     def _batch_worker(self, worker: int) -> None:
         torch.set_num_threads(self.threads)  # this thread's OpenMP team

@@ -1,6 +1,6 @@
-"""The core budget: CPU stage workers run with their pool's torch thread count, and busy workers together
-never hold more cores than the budget has (stages/core_budget.py). No timing thresholds: the checks are on
-thread counts, on who is inside a stage, and on the order the budget serves its waiters."""
+"""The thread budget: CPU stage workers run with their pool's torch thread count, and busy workers together never
+hold more threads than the budget has (stages/thread_budget.py). No timing thresholds: the checks are on thread
+counts, on who is inside a stage, and on the order the budget serves its waiters."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pipelines.config import EngineConfig, ModelSpec
 from pipelines.engine import Engine
 from pipelines.request import ImageRequest
 from serve.config import load_config
-from stages.core_budget import CoreBudget, available_cores
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph
 from stages.pool import PoolConfig
 from stages.stage import LoopStage, Stage, WorkItem
+from stages.thread_budget import ThreadBudget, available_cores
 from tests.helpers import running_engine
 
 
@@ -57,9 +57,13 @@ class RecordingLoop(LoopStage):
         return {}
 
 
+def executor_with(budget: int | None):
+    return GraphExecutor(budget=ThreadBudget(budget))
+
+
 @pytest.fixture
 def executor():
-    ex = GraphExecutor(budget=CoreBudget(2))
+    ex = executor_with(2)
     yield ex
     ex.shutdown()
 
@@ -68,37 +72,61 @@ def run(ex: GraphExecutor, pool: str) -> None:
     ex.submit(StageGraph.chain(("only", pool)), {}).result(timeout=30)
 
 
-def test_workers_run_with_their_pools_threads(executor):
+def test_workers_run_with_their_pools_threads():
+    ex = executor_with(None)
     one, default, loop = Recording(), Recording(), RecordingLoop()
-    executor.add_pool("one", one, PoolConfig(threads=1))
-    executor.add_pool("default", default, PoolConfig())
-    executor.add_pool("replicas", Recording(), PoolConfig(replicas=2))
-    executor.add_pool("loop", loop, PoolConfig(threads=1))
-    executor.start()
-    for pool in ("one", "default", "loop", "one", "default"):
-        run(executor, pool)
+    ex.add_pool("one", one, PoolConfig(threads=1))
+    ex.add_pool("default", default, PoolConfig())
+    ex.add_pool("replicas", Recording(), PoolConfig(replicas=2))
+    ex.add_pool("loop", loop, PoolConfig(threads=1))
+    ex.start()
+    try:
+        for pool in ("one", "default", "loop", "one", "default"):
+            run(ex, pool)
+    finally:
+        ex.shutdown()
     assert one.threads == [1, 1]
-    assert default.threads == [2, 2]  # the budget's cores, one replica
+    assert default.threads == [available_cores()] * 2  # one replica: every core this process may use
     assert loop.threads == [1, 1, 1]
-    assert executor.pools["replicas"].threads == 1  # two replicas share the two cores
-    assert executor.pools["default"].threads == 2
+    assert ex.pools["replicas"].threads == max(1, available_cores() // 2)  # two replicas share them
 
 
-def test_budget_defaults_to_the_cores_this_process_may_use():
-    assert CoreBudget().cores == available_cores()
-    assert GraphExecutor().budget.cores == available_cores()
+def test_default_budget_is_two_teams_of_every_core():
+    assert ThreadBudget().threads == 2 * available_cores()
+    assert GraphExecutor().budget.threads == 2 * available_cores()
+
+
+def test_with_the_default_budget_two_busy_pools_run_and_a_third_waits():
+    ex = executor_with(None)
+    release = threading.Event()
+    stages = [Recording(hold=release), Recording(hold=release), Recording()]
+    for i, stage in enumerate(stages):
+        ex.add_pool(f"p{i}", stage, PoolConfig())
+    ex.start()
+    try:
+        handles = [ex.submit(StageGraph.chain(("only", "p0")), {}), ex.submit(StageGraph.chain(("only", "p1")), {})]
+        assert stages[0].inside.wait(30) and stages[1].inside.wait(30)  # both teams at once
+        handles.append(ex.submit(StageGraph.chain(("only", "p2")), {}))
+        assert not stages[2].inside.wait(0.3), "a third team ran beside two that hold the whole budget"
+        release.set()
+        for handle in handles:
+            handle.result(timeout=30)
+    finally:
+        release.set()
+        ex.shutdown()
+    assert stages[2].threads == [available_cores()]
 
 
 def test_a_busy_cpu_pool_keeps_the_others_out_until_it_is_done(executor):
     release = threading.Event()
     first, second = Recording(hold=release), Recording()
-    executor.add_pool("first", first, PoolConfig())
-    executor.add_pool("second", second, PoolConfig())
+    executor.add_pool("first", first, PoolConfig(threads=2))
+    executor.add_pool("second", second, PoolConfig(threads=2))
     executor.start()
     a = executor.submit(StageGraph.chain(("only", "first")), {})
     assert first.inside.wait(30)
     b = executor.submit(StageGraph.chain(("only", "second")), {})
-    assert not second.inside.wait(0.3), "a second pool computed while the first held every core"
+    assert not second.inside.wait(0.3), "a second pool computed while the first held the whole budget"
     assert executor.budget.free == 0
     release.set()
     a.result(timeout=30), b.result(timeout=30)
@@ -114,7 +142,7 @@ def test_pools_that_fit_together_run_together(executor):
     executor.start()
     a = executor.submit(StageGraph.chain(("only", "first")), {})
     assert first.inside.wait(30)
-    run(executor, "second")  # one core each: the second does not wait for the first
+    run(executor, "second")  # one thread each: the second does not wait for the first
     release.set()
     a.result(timeout=30)
 
@@ -122,8 +150,8 @@ def test_pools_that_fit_together_run_together(executor):
 def test_a_gpu_pool_does_not_take_from_the_cpu_budget(executor):
     release = threading.Event()
     gpu, cpu = Recording(hold=release), Recording()
-    executor.add_pool("gpu", gpu, PoolConfig(device="cuda"))
-    executor.add_pool("cpu", cpu, PoolConfig())
+    executor.add_pool("gpu", gpu, PoolConfig(device="cuda", threads=2))
+    executor.add_pool("cpu", cpu, PoolConfig(threads=2))
     executor.start()
     a = executor.submit(StageGraph.chain(("only", "gpu")), {})
     assert gpu.inside.wait(30)
@@ -133,21 +161,18 @@ def test_a_gpu_pool_does_not_take_from_the_cpu_budget(executor):
 
 
 def test_waiters_are_served_in_arrival_order_and_a_releaser_cannot_jump_the_line():
-    budget = CoreBudget(2)
+    budget = ThreadBudget(2)
     order: list[str] = []
-    queued = {name: threading.Event() for name in ("a", "b")}
 
     def worker(name: str, threads: int):
-        queued[name].set()
         with budget.hold(threads):
             order.append(name)
 
     with budget.hold(2):
         ta = threading.Thread(target=worker, args=("a", 2))
         ta.start()
-        queued["a"].wait(30)
         _wait_until(lambda: budget.waiting == 1)
-        tb = threading.Thread(target=worker, args=("b", 1))  # would fit in 1 core, but it is behind a
+        tb = threading.Thread(target=worker, args=("b", 1))  # would fit in one thread, but it is behind a
         tb.start()
         _wait_until(lambda: budget.waiting == 2)
     ta.join(30), tb.join(30)
@@ -164,36 +189,54 @@ def test_waiters_are_served_in_arrival_order_and_a_releaser_cannot_jump_the_line
     assert order == ["b", "again"]
 
 
+def test_a_team_larger_than_the_budget_takes_all_of_it_and_runs():
+    budget, before = ThreadBudget(2), torch.get_num_threads()
+    try:
+        with budget.hold(3):
+            assert budget.free == 0 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)  # this is the test runner's thread
+    assert budget.free == 2
+
+
 def _wait_until(condition, timeout: float = 30.0) -> None:
-    done = threading.Event()
+    pause = threading.Event()
     for _ in range(int(timeout / 0.01)):
         if condition():
             return
-        done.wait(0.01)
+        pause.wait(0.01)
     raise AssertionError("condition never held")
 
 
-def test_threads_and_cpu_cores_are_validated():
+def test_threads_and_cpu_threads_are_validated():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="threads"):
             PoolConfig(threads=bad)
-        with pytest.raises(ValueError, match="cpu_cores"):
-            EngineConfig(models=(), cpu_cores=bad)
+        with pytest.raises(ValueError, match="cpu_threads"):
+            EngineConfig(models=(), cpu_threads=bad)
 
 
-def test_config_file_sets_pool_threads_and_the_engines_cores(tmp_path):
+def test_config_file_sets_pool_threads_and_the_engines_budget(tmp_path):
     path = tmp_path / "mmserve.toml"
-    path.write_text('[engine]\ncpu_cores = 1\n[[models]]\nname = "m"\npath = "/x"\ndevice = "cuda"\n'
-                    '[models.pools.denoise]\nthreads = 3\n')
+    path.write_text('[engine]\ncpu_threads = 3\n[[models]]\nname = "m"\npath = "/x"\ndevice = "cuda"\n'
+                    '[models.pools.denoise]\nthreads = 1\n')
     engine_config = load_config(path).engine
     spec = engine_config.models[0]
-    assert spec.pool("denoise").threads == 3
+    assert spec.pool("denoise").threads == 1
     assert spec.pool("denoise").device == "cuda"  # a model's pools run on its device (no CPU budget)
     assert spec.pool("vae_decode").device == "cuda"
-    assert Engine(engine_config).executor.budget.cores == 1
+    assert Engine(engine_config).executor.budget.threads == 3
 
 
-def test_the_denoise_worker_of_a_served_model_uses_its_pools_threads(sd_path):
+def test_cpu_models_decode_at_most_two_images_per_vae_call():
+    cpu, gpu = ModelSpec("a", "/x"), ModelSpec("b", "/x", device="cuda")
+    assert cpu.pool("vae_decode").max_batch_size == 2
+    assert gpu.pool("vae_decode").max_batch_size == 4
+    mine = ModelSpec("c", "/x", pools={"vae_decode": PoolConfig(max_batch_size=8)})
+    assert mine.pool("vae_decode").max_batch_size == 8
+
+
+def test_the_stage_workers_of_a_served_model_use_their_pools_threads(sd_path):
     pools = {"denoise": PoolConfig(threads=1), "vae_decode": PoolConfig(threads=2)}
     with running_engine(sd_path, pools=pools) as eng:
         family = eng._families["m"]
