@@ -3,9 +3,10 @@
     python examples/bench_video.py [--checkpoint DIR] [--size 64] [--frames 17] [--steps 8] [--requests 4]
 
 1. Throughput: --requests text-to-video jobs created at once on a real mmserve server on loopback
-   (POST /v1/videos, then GET /v1/videos/{id} polled until completed) vs `WanPipeline.__call__`
-   called that many times in sequence (same checkpoint, seeds and parameters). Prints the denoise
-   batch sizes reached (from /metrics).
+   (POST /v1/videos, then GET /v1/videos/{id} polled every 0.1 s until completed) vs `WanPipeline.__call__`
+   called that many times in sequence (same checkpoint, seeds and parameters). --repeats runs, the sides
+   alternating which goes first; every run is printed with the load average and the cores other processes
+   used meanwhile, then the medians. Prints the denoise batch sizes reached (from /metrics).
 2. Peak memory of the temporal VAE decode: the checkpoint's `vae.decode` on random latents of
    --vae-size x --vae-size px and --vae-frames frames, with `vae.enable_tiling()` vs without; each
    variant runs in its own subprocess and reports its peak RSS growth (VmHWM minus VmRSS before).
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_images import _batch_sizes, _free_port, _wait_ready  # noqa: E402
+from bench_images import _batch_sizes, _free_port, _wait_ready, alternating, loadavg, measured  # noqa: E402
+
+POLL_S = 0.1  # how often a client asks after its job (every GET costs the server CPU the jobs would use)
 
 
 async def _jobs(base: str, model: str, args, n: int, prefix: str = "prompt") -> float:
@@ -53,11 +58,12 @@ async def _jobs(base: str, model: str, args, n: int, prefix: str = "prompt") -> 
                 elif job["status"] in ("failed", "cancelled", "expired"):
                     raise RuntimeError(f"video {vid} {job['status']}: {job.get('error')}")
             if pending:
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(POLL_S)
         return time.perf_counter() - t
 
 
-def throughput(checkpoint: str, args) -> tuple[float, float, str]:
+def throughput(checkpoint: str, args) -> list[float]:
+    """Every run's ratio (diffusers' sequential time / mmserve's concurrent time), each printed as it ends."""
     import httpx
     import torch
     from diffusers import WanPipeline
@@ -74,23 +80,50 @@ def throughput(checkpoint: str, args) -> tuple[float, float, str]:
     proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--config", str(config)],
                             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    try:
-        _wait_ready(base, proc)
-        asyncio.run(_jobs(base, "bench", args, 1, "warm"))  # warm (another prompt: nothing cached is reused)
-        ours = asyncio.run(_jobs(base, "bench", args, args.requests))
-        sizes = _batch_sizes(httpx.get(f"{base}/metrics").text, "bench/denoise")
-    finally:
-        proc.terminate()
-        proc.wait(30)
     ref = WanPipeline.from_pretrained(checkpoint)
     ref.set_progress_bar_config(disable=True)
     params = dict(height=args.size, width=args.size, num_frames=args.frames, num_inference_steps=args.steps,
                   output_type="np")
-    ref("warm 0", generator=torch.Generator("cpu").manual_seed(0), **params)
-    t = time.perf_counter()
-    for i in range(args.requests):
-        ref(f"prompt {i}", generator=torch.Generator("cpu").manual_seed(i), **params)
-    return ours, time.perf_counter() - t, sizes
+    n, ours_pids = args.requests, [os.getpid(), proc.pid]
+    # New prompts every run (the same on both sides): the server's prompt cache saves nothing across runs.
+    ours_runs, ref_runs = itertools.count(), itertools.count()
+
+    def ours_once():
+        prefix = f"prompt {next(ours_runs)}"
+        return measured(lambda: asyncio.run(_jobs(base, "bench", args, n, prefix)), ours_pids, args)
+
+    def ref_once():
+        prefix = f"prompt {next(ref_runs)}"
+
+        def loop():
+            for i in range(n):
+                ref(f"{prefix} {i}", generator=torch.Generator("cpu").manual_seed(i), **params)
+        return measured(loop, ours_pids, args)
+
+    try:
+        _wait_ready(base, proc)
+        asyncio.run(_jobs(base, "bench", args, 1, "warm"))  # warm (another prompt: nothing cached is reused)
+        ref("warm 0", generator=torch.Generator("cpu").manual_seed(0), **params)
+        before = httpx.get(f"{base}/metrics").text
+        ratios, ours_all, ref_all = [], [], []
+        for i, first, (ours, ours_cpu, ours_others), (theirs, ref_cpu, ref_others) in alternating(
+                args.repeats, ours_once, ref_once):
+            ratios.append(theirs / ours)
+            ours_all.append(ours)
+            ref_all.append(theirs)
+            print(f"  run {i + 1}/{args.repeats} ({first} first): mmserve {ours:7.2f} s ({ours_cpu:6.1f} CPU s)  "
+                  f"diffusers {theirs:7.2f} s ({ref_cpu:6.1f} CPU s)  ratio {theirs / ours:.2f}x  "
+                  f"other processes used {ours_others:.2f} / {ref_others:.2f} cores  load {loadavg()}", flush=True)
+        sizes = _batch_sizes(httpx.get(f"{base}/metrics").text, "bench/denoise", since=before)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    ours, theirs = statistics.median(ours_all), statistics.median(ref_all)
+    print(f"throughput mmserve {ours:7.2f} s for {n} videos (server, {n} concurrent jobs)   diffusers {theirs:7.2f} s "
+          f"({n} sequential)   ratio {statistics.median(ratios):.2f}x median of "
+          f"{' '.join(f'{r:.2f}' for r in ratios)} (target >= 1.0 in every run)")
+    print(f"denoise batch sizes reached: {sizes}")
+    return ratios
 
 
 def _status_kb(field: str) -> int:
@@ -139,6 +172,10 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quiet-wait", type=float, default=60.0,
+                        help="before each timed side, wait up to this long for a second in which other processes "
+                             "use under 0.3 cores (the machine is shared); 0: do not wait")
     parser.add_argument("--vae-size", type=int, default=512, help="decoded frame width and height, px")
     parser.add_argument("--vae-frames", type=int, default=5)
     parser.add_argument("--_vae-child", dest="vae_child", help=argparse.SUPPRESS)
@@ -150,12 +187,8 @@ def main() -> None:
 
     checkpoint = args.checkpoint or str(build_demo_model("wan", Path.home() / ".cache/mmserve/bench/wan-tiny"))
     print(f"checkpoint {checkpoint}, {args.size}x{args.size} px, {args.frames} frames, {args.steps} steps, "
-          f"{os.cpu_count()} CPUs")
-    ours, ref, sizes = throughput(checkpoint, args)
-    n = args.requests
-    print(f"throughput mmserve {ours:7.2f} s for {n} videos (server, {n} concurrent jobs)   diffusers {ref:7.2f} s "
-          f"({n} sequential)   ratio {ref / ours:.2f}x (target >= 1.5)")
-    print(f"denoise batch sizes reached: {sizes}")
+          f"{os.cpu_count()} CPUs, load {loadavg()}", flush=True)
+    throughput(checkpoint, args)
     mem = vae_memory(checkpoint, args)
     untiled, tiled = mem[False], mem[True]
     print(f"vae decode {args.vae_size}x{args.vae_size} px x {args.vae_frames} frames: peak RSS growth untiled "

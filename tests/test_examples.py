@@ -81,7 +81,7 @@ def test_python_api_example(tmp_path, sd_path):
 
 def test_benchmark_script_prints_ratios(sd_path):
     run = subprocess.run([sys.executable, "examples/bench_images.py", "--checkpoint", sd_path, "--size", "64",
-                          "--steps", "2", "--concurrency", "2", "--repeats", "1"],
+                          "--steps", "2", "--concurrency", "2", "--repeats", "1", "--quiet-wait", "0"],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert re.search(r"latency .* ratio \d+\.\d+x", run.stdout), run.stdout
@@ -105,7 +105,8 @@ def test_video_benchmark_script_prints_ratios(tmp_path):
 
     checkpoint = str(build_demo_model("wan", tmp_path / "wan"))
     run = subprocess.run([sys.executable, "examples/bench_video.py", "--checkpoint", checkpoint, "--size", "32",
-                          "--frames", "5", "--steps", "2", "--requests", "2", "--vae-size", "64", "--vae-frames", "5"],
+                          "--frames", "5", "--steps", "2", "--requests", "2", "--vae-size", "64", "--vae-frames", "5",
+                          "--repeats", "1", "--quiet-wait", "0"],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
