@@ -16,6 +16,8 @@
     [engine]                      # optional
     prompt_cache_mb = 256
     request_timeout_s = 600
+    cpu_threads = 4               # torch threads CPU stage workers run at once, all pools together; default:
+                                  # twice the CPUs this process may use (stages/thread_budget.py)
 
     [limits]                      # optional: pipelines.request.ImageLimits
     max_pixels = 1048576
@@ -53,6 +55,7 @@
     [models.pools.denoise]        # text_encode | denoise | vae_decode | llm | embed: stages.pool.PoolConfig
     max_batch_size = 8
     replicas = 1
+    threads = 2                   # torch threads of each worker; default: the CPUs this process may use / replicas
     [models.llm]                  # causal LMs only: pipelines.chat.LLMConfig
     kv_cache_mb = 256
     block_size = 16
