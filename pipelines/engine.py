@@ -25,13 +25,13 @@ from pipelines.request import ImageRequest, RequestError, Task
 from pipelines.video import VideoRequest
 from pipelines.chat_parts import has_media_parts
 from pipelines.vlm import VLM_FAMILY, VLMChatModel, load_media
-from stages.thread_budget import ThreadBudget
 from stages.diffusion import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph
 from stages.metrics import Metrics
 from stages.llm.params import SamplingParams
 from stages.request import RequestHandle
+from stages.thread_budget import ThreadBudget
 
 log = logging.getLogger(__name__)
 

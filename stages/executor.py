@@ -7,13 +7,13 @@ import time
 import uuid
 from typing import Any
 
-from stages.thread_budget import ThreadBudget
 from stages.events import CapacityError, EventKind, StageError
 from stages.graph import StageGraph
 from stages.metrics import Metrics
 from stages.pool import PoolConfig, StagePool
 from stages.request import RequestHandle, RequestState
 from stages.stage import Stage, WorkItem
+from stages.thread_budget import ThreadBudget
 
 
 class _Run:

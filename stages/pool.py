@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from stages.thread_budget import ThreadBudget, default_threads
 from stages.events import EventKind, StageError
 from stages.metrics import Metrics
 from stages.stage import LoopStage, Stage, WorkItem
+from stages.thread_budget import ThreadBudget, default_threads
 
 log = logging.getLogger(__name__)
 
