@@ -13,6 +13,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+try:
+    from tests.scheduling import normal_scheduling  # noqa: E402
+except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+    from scheduling import normal_scheduling  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _normal_priority():
+    """A test that leaves this process at real-time priority fails, named, instead of starving what follows."""
+    yield
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        lowered = normal_scheduling()
+        pytest.fail(f"this test left the test process under a real-time scheduling policy (threads {lowered}); "
+                    "processes it starts would inherit it (see tests/scheduling.py)")
+
 
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory):

@@ -33,8 +33,10 @@ from stages.media_video_encode import FragmentedMP4Writer, encode_video
 
 try:
     from tests.media_worker_tasks import TEST_FUNCTIONS
+    from tests.scheduling import normal_scheduling
 except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
     from media_worker_tasks import TEST_FUNCTIONS
+    from scheduling import normal_scheduling
 
 H, W, FPS, N = 64, 96, 30, 90  # test clips: 96x64, 30 fps, 3 s
 _BITS = 12  # painted bits: indices up to 4095
@@ -91,6 +93,8 @@ def _video(container: str, codec: str, gop: int, n: int = N) -> bytes:
         for i in range(n):
             c.mux(stream.encode(av.VideoFrame.from_ndarray(_paint(i), format="rgb24")))
         c.mux(stream.encode(None))
+    if encoder == "libsvtav1":
+        normal_scheduling()  # SVT-AV1 raised this thread to SCHED_FIFO (tests/scheduling.py)
     return out.getvalue()
 
 
