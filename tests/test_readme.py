@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -87,13 +88,32 @@ def _param(b: Block):
     return pytest.param(b, id=f"line{b.line}-{b.lang}", marks=marks)
 
 
+def _run_bounded(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Runs `cmd` in its own process group; past BLOCK_TIMEOUT_S the whole group (a server a block started
+    too) is killed and the test fails with what it printed."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {BLOCK_TIMEOUT_S} s: {cmd}\n--- stdout\n{out[-2000:]}\n--- stderr\n{err[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the block left running in its group
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
 def test_readme_block_runs_as_written(block: Block, scratch, tmp_path):
     root, env = scratch
     script = tmp_path / ("block.py" if block.lang == "python" else "block.sh")
     script.write_text(block.code)
     cmd = [sys.executable, str(script)] if block.lang == "python" else ["bash", "-e", "-o", "pipefail", str(script)]
-    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    run = _run_bounded(cmd, cwd=root, env=env)
     assert run.returncode == 0, f"README line {block.line}:\n{block.code}\n--- stdout\n{run.stdout[-2000:]}\n" \
                                 f"--- stderr\n{run.stderr[-4000:]}"
     for name in OUTPUTS:
