@@ -132,6 +132,20 @@ def alternating(repeats: int, first, second):
             yield i, "diffusers", a, b
 
 
+def compare_runs(repeats: int, ours_once, ref_once) -> tuple[list[float], float, float]:
+    """Runs both sides alternately (each a `measured` call) and prints every run; returns (ratios, medians)."""
+    ratios, ours_all, ref_all = [], [], []
+    for i, first, (ours, ours_cpu, ours_others), (theirs, ref_cpu, ref_others) in alternating(
+            repeats, ours_once, ref_once):
+        ratios.append(theirs / ours)
+        ours_all.append(ours)
+        ref_all.append(theirs)
+        print(f"  run {i + 1}/{repeats} ({first} first): mmserve {ours:7.2f} s ({ours_cpu:6.1f} CPU s)  "
+              f"diffusers {theirs:7.2f} s ({ref_cpu:6.1f} CPU s)  ratio {theirs / ours:.2f}x  "
+              f"other processes used {ours_others:.2f} / {ref_others:.2f} cores  load {loadavg()}", flush=True)
+    return ratios, statistics.median(ours_all), statistics.median(ref_all)
+
+
 # 1. A checkpoint this project does not know
 
 
@@ -306,17 +320,8 @@ def throughput(base: str, server_pid: int, ref, size: int, args) -> list[float]:
     asyncio.run(_burst(base, "bench", size, 1, args, "warm"))  # warm both sides at this size
     ref("warm", num_inference_steps=1, height=size, width=size)
     before = httpx.get(f"{base}/metrics").text
-    ratios, ours_all, ref_all = [], [], []
-    for i, first, (ours, ours_cpu, ours_others), (theirs, ref_cpu, ref_others) in alternating(
-            args.repeats, ours_once, ref_once):
-        ratios.append(theirs / ours)
-        ours_all.append(ours)
-        ref_all.append(theirs)
-        print(f"  run {i + 1}/{args.repeats} ({first} first): mmserve {ours:7.2f} s ({ours_cpu:6.1f} CPU s)  "
-              f"diffusers {theirs:7.2f} s ({ref_cpu:6.1f} CPU s)  ratio {theirs / ours:.2f}x  "
-              f"other processes used {ours_others:.2f} / {ref_others:.2f} cores  load {loadavg()}", flush=True)
+    ratios, ours, theirs = compare_runs(args.repeats, ours_once, ref_once)
     sizes = _batch_sizes(httpx.get(f"{base}/metrics").text, "bench/denoise", since=before)
-    ours, theirs = statistics.median(ours_all), statistics.median(ref_all)
     print(f"throughput {size}x{size}: mmserve {n / ours:6.2f} img/s (server, {n} concurrent)   diffusers "
           f"{n / theirs:6.2f} img/s ({n} sequential)   ratio {statistics.median(ratios):.2f}x median of "
           f"{' '.join(f'{r:.2f}' for r in ratios)} (target >= 1.0 in every run)")

@@ -3,7 +3,7 @@
     python examples/bench_video.py [--checkpoint DIR] [--size 64] [--frames 17] [--steps 8] [--requests 4]
 
 1. Throughput: --requests text-to-video jobs created at once on a real mmserve server on loopback
-   (POST /v1/videos, then GET /v1/videos/{id} polled every 0.1 s until completed) vs `WanPipeline.__call__`
+   (POST /v1/videos, then GET /v1/videos polled every 0.05 s until all completed) vs `WanPipeline.__call__`
    called that many times in sequence (same checkpoint, seeds and parameters). --repeats runs, the sides
    alternating which goes first; every run is printed with the load average and the cores other processes
    used meanwhile, then the medians. Prints the denoise batch sizes reached (from /metrics).
@@ -33,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_images import _batch_sizes, _free_port, _wait_ready, alternating, loadavg, measured  # noqa: E402
+from bench_images import _batch_sizes, _free_port, _wait_ready, compare_runs, loadavg, measured  # noqa: E402
 
-POLL_S = 0.1  # how often a client asks after its job (every GET costs the server CPU the jobs would use)
+# How often the client asks after its jobs: one GET /v1/videos for all of them (each request costs the server CPU
+# the jobs would use, and a job's completion is seen up to this late).
+POLL_S = 0.05
 
 
 async def _jobs(base: str, model: str, args, n: int, prefix: str = "prompt") -> float:
@@ -51,12 +53,12 @@ async def _jobs(base: str, model: str, args, n: int, prefix: str = "prompt") -> 
             raise RuntimeError(f"server answered {bad}")
         pending = {r.json()["id"] for r in created}
         while pending:
-            for vid in list(pending):
-                job = (await client.get(f"{base}/v1/videos/{vid}")).json()
-                if job["status"] == "completed":
-                    pending.discard(vid)
-                elif job["status"] in ("failed", "cancelled", "expired"):
-                    raise RuntimeError(f"video {vid} {job['status']}: {job.get('error')}")
+            listed = (await client.get(f"{base}/v1/videos", params={"limit": 100})).json()["data"]
+            for job in listed:
+                if job["id"] in pending and job["status"] == "completed":
+                    pending.discard(job["id"])
+                elif job["id"] in pending and job["status"] in ("failed", "cancelled", "expired"):
+                    raise RuntimeError(f"video {job['id']} {job['status']}: {job.get('error')}")
             if pending:
                 await asyncio.sleep(POLL_S)
         return time.perf_counter() - t
@@ -105,20 +107,11 @@ def throughput(checkpoint: str, args) -> list[float]:
         asyncio.run(_jobs(base, "bench", args, 1, "warm"))  # warm (another prompt: nothing cached is reused)
         ref("warm 0", generator=torch.Generator("cpu").manual_seed(0), **params)
         before = httpx.get(f"{base}/metrics").text
-        ratios, ours_all, ref_all = [], [], []
-        for i, first, (ours, ours_cpu, ours_others), (theirs, ref_cpu, ref_others) in alternating(
-                args.repeats, ours_once, ref_once):
-            ratios.append(theirs / ours)
-            ours_all.append(ours)
-            ref_all.append(theirs)
-            print(f"  run {i + 1}/{args.repeats} ({first} first): mmserve {ours:7.2f} s ({ours_cpu:6.1f} CPU s)  "
-                  f"diffusers {theirs:7.2f} s ({ref_cpu:6.1f} CPU s)  ratio {theirs / ours:.2f}x  "
-                  f"other processes used {ours_others:.2f} / {ref_others:.2f} cores  load {loadavg()}", flush=True)
+        ratios, ours, theirs = compare_runs(args.repeats, ours_once, ref_once)
         sizes = _batch_sizes(httpx.get(f"{base}/metrics").text, "bench/denoise", since=before)
     finally:
         proc.terminate()
         proc.wait(30)
-    ours, theirs = statistics.median(ours_all), statistics.median(ref_all)
     print(f"throughput mmserve {ours:7.2f} s for {n} videos (server, {n} concurrent jobs)   diffusers {theirs:7.2f} s "
           f"({n} sequential)   ratio {statistics.median(ratios):.2f}x median of "
           f"{' '.join(f'{r:.2f}' for r in ratios)} (target >= 1.0 in every run)")

@@ -7,11 +7,8 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
-
-from tests.test_serve_support import ENV, REPO, free_port
+from tests.test_serve_support import ENV, REPO, free_port, wait_ready
 
 README = (REPO / "README.md").read_text()
 
@@ -23,10 +20,8 @@ def _block(heading: str) -> list[str]:
     return [line.split("  #")[0].strip() for line in body.splitlines()
             if line.strip() and not line.lstrip().startswith("#")]  # comments (the README test's marker) are no commands
 
-
 def test_readme_shows_exactly_the_two_setup_commands():
     assert _block("Set-up") == ["make serve", "make test"]
-
 
 def test_make_serve_answers_the_openai_client(tmp_path):
     """`make serve` on the demo models, then examples/openai_client.py against it."""
@@ -35,16 +30,7 @@ def test_make_serve_answers_the_openai_client(tmp_path):
     proc = subprocess.Popen(["make", "serve", f"PORT={port}"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, "make serve exited"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "make serve did not become ready"
-            time.sleep(0.5)
+        wait_ready(f"http://127.0.0.1:{port}", proc, 300)
         out = tmp_path / "client.png"
         run = subprocess.run([sys.executable, "examples/openai_client.py", "--base-url", f"http://127.0.0.1:{port}/v1",
                               "-o", str(out)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
@@ -69,7 +55,6 @@ def test_make_serve_answers_the_openai_client(tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
 
-
 def test_python_api_example(tmp_path, sd_path):
     out = tmp_path / "api.png"
     run = subprocess.run([sys.executable, "examples/python_api.py", sd_path, "-o", str(out), "--steps", "2"],
@@ -77,7 +62,6 @@ def test_python_api_example(tmp_path, sd_path):
     assert run.returncode == 0, run.stderr
     assert "step 2/2" in run.stdout
     assert out.read_bytes()[:4] == b"\x89PNG"
-
 
 def test_benchmark_script_prints_ratios(sd_path):
     run = subprocess.run([sys.executable, "examples/bench_images.py", "--checkpoint", sd_path, "--size", "64",
@@ -88,7 +72,6 @@ def test_benchmark_script_prints_ratios(sd_path):
     assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert "denoise batch sizes reached: <=" in run.stdout
 
-
 def test_llm_benchmark_script_prints_ratios(tmp_path):
     from pipelines.demo import build_demo_model
 
@@ -98,7 +81,6 @@ def test_llm_benchmark_script_prints_ratios(tmp_path):
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert len(re.findall(r"ratio \d+\.\d+x", run.stdout)) == 3, run.stdout
-
 
 def test_video_benchmark_script_prints_ratios(tmp_path):
     from pipelines.demo import build_demo_model
@@ -112,7 +94,6 @@ def test_video_benchmark_script_prints_ratios(tmp_path):
     assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert re.search(r"vae decode .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert "denoise batch sizes reached: <=" in run.stdout
-
 
 def test_speed_benchmarks_run_tiny_on_the_cpu(tmp_path):
     """The GPU benchmarks' --tiny modes (tiny demo models, CPU) and the step-cache benchmark print their ratios."""

@@ -29,7 +29,7 @@ import pytest
 import schemathesis
 
 from tests.schema_checks import validate
-from tests.test_serve_support import ENV, REPO, free_port
+from tests.test_serve_support import ENV, REPO, free_port, wait_ready
 
 pytestmark = pytest.mark.slow  # a demo server and minutes of fuzzing (still part of `make test`)
 
@@ -50,16 +50,8 @@ def demo_server(demo_models, tmp_path_factory):
         cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600  # the first run builds the demo checkpoints it lacks
-        while True:
-            assert proc.poll() is None, (root / "server.log").read_text()[-4000:]
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the demo server did not become ready"
-            time.sleep(0.5)
+        # The first run builds the demo checkpoints it lacks.
+        wait_ready(url, proc, 600, lambda: (root / "server.log").read_text(errors="replace")[-4000:])
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

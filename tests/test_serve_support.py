@@ -26,6 +26,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log_tail=lambda: "") -> None:
+    """Polls `url`/ready until it answers 200. RuntimeError when `proc` exits first, TimeoutError past
+    `timeout_s`; both end with `log_tail()` (the server's last output)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not ready within {timeout_s}s:\n{log_tail()}")
+
+
 class Server:
     """`python -m serve.cli serve --config FILE` in a subprocess; `url` once /ready answers 200."""
 
@@ -43,18 +59,11 @@ class Server:
         self._wait_ready(ready_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"server not ready within {timeout_s}s:\n{self.log_tail()}")
+        try:
+            wait_ready(self.url, self.proc, timeout_s, self.log_tail)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def log_tail(self, chars: int = 4000) -> str:
         self._log.flush()
