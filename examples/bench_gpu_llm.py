@@ -50,7 +50,7 @@ def mmserve_rate(checkpoint: str, args, graphs: bool) -> dict[int, float]:
     from pipelines.chat import ChatRequest, LLMConfig
     from pipelines.config import EngineConfig, ModelSpec
     from pipelines.engine import Engine
-    from stages.graph_runner import GraphConfig
+    from stages.cuda_graphs import GraphConfig
     from stages.llm.params import SamplingParams
 
     batches = [int(b) for b in args.batch.split(",")]

@@ -57,7 +57,7 @@ def sentences(n: int, seed: int) -> list[str]:
 
 def speak(text: str) -> np.ndarray:
     """espeak-ng reading `text`: float32 at 24 kHz."""
-    from stages.audio_dsp import resample
+    from stages.speech.audio_dsp import resample
 
     wav = subprocess.run(["espeak-ng", "-v", "en-us", "-s", "160", "--stdout", text], capture_output=True,
                          check=True).stdout
@@ -160,7 +160,7 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
     import httpx
 
     from pipelines.demo import build_demo_model
-    from pipelines.demo_whisper import tiny_en_source
+    from pipelines.demo.whisper import tiny_en_source
 
     asr = "whisper-tiny-en" if tiny_en_source() is not None else "whisper"
     root = Path(tempfile.gettempdir()) / "mmserve-bench-voice"

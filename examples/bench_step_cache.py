@@ -40,7 +40,7 @@ SETTINGS = {  # family -> step cache settings compared (threshold 0 first: it mu
 
 
 def run_one(engine, args, i: int, step_cache=None) -> tuple[np.ndarray, float]:
-    from pipelines.request import ImageRequest
+    from pipelines.image_request import ImageRequest
 
     req = ImageRequest(prompt=PROMPTS[i], width=args.size, height=args.size, num_inference_steps=args.steps, seed=i,
                        step_cache=step_cache, guidance_scale=args.guidance)
@@ -60,9 +60,9 @@ def skipped_fraction(engine, method: str, before: dict) -> float:
 def bench(family: str, checkpoint: str, args) -> None:
     from pipelines.config import EngineConfig, ModelSpec
     from pipelines.engine import Engine
-    from pipelines.request import ImageLimits
+    from pipelines.image_request import ImageLimits
     from stages.pool import PoolConfig
-    from stages.step_cache import StepCacheConfig
+    from stages.diffusion.step_cache import StepCacheConfig
 
     spec = ModelSpec("bench", checkpoint, device=args.device, dtype=args.dtype,
                      step_cache=StepCacheConfig(enabled=True), pools={"denoise": PoolConfig(max_batch_size=1)})

@@ -35,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from stages import media_video_seek  # noqa: E402
-from stages.media_video import DecodedVideo, VideoDecodeLimits, decode_all_frames, decode_video  # noqa: E402
+from stages.media import video_seek as media_video_seek  # noqa: E402
+from stages.media.video import DecodedVideo, VideoDecodeLimits, decode_all_frames, decode_video  # noqa: E402
 
 
 def make_clip(seconds: int, fps: int, width: int, height: int, gop: int, preset: str = "ultrafast") -> bytes:

@@ -31,7 +31,7 @@ def build_llava(out: Path, depth: int, hidden: int) -> Path:
     import torch
     from transformers import CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
 
-    from pipelines.demo_vlm import build_llava as demo
+    from pipelines.demo.vlm import build_llava as demo
 
     bundle = demo(seed=0)
     config = bundle.model.config
@@ -54,7 +54,7 @@ def build_checkpoint(out: Path, depth: int, hidden: int) -> Path:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from pipelines.demo_vlm import build_qwen2_5_vl
+    from pipelines.demo.vlm import build_qwen2_5_vl
 
     bundle = build_qwen2_5_vl(seed=0)
     config = bundle.model.config

@@ -109,7 +109,7 @@ def _flux(double: int = 19, single: int = 38, t5_layers: int = 2):
 def _llama7b(layers: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipelines.demo_llm import Checkpoint, chat_tokenizer
+    from pipelines.demo.llm import Checkpoint, chat_tokenizer
 
     tokenizer = chat_tokenizer()
     config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,

@@ -12,9 +12,9 @@ from typing import Any
 
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.engine import Engine, image_task
-from pipelines.request import ImageLimits, ImageRequest
+from pipelines.image_request import ImageLimits, ImageRequest
 from stages.pool import PoolConfig
-from stages.request import RequestHandle
+from stages.request_state import RequestHandle
 
 
 class Pipeline:

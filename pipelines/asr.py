@@ -2,7 +2,7 @@
 
 Long audio is cut into windows of at most 30 s before anything runs, each cut placed at the
 quietest 20 ms of the window's last `cut_search_s` seconds (so words are rarely split), and
-all windows decode in parallel (their times are stitched by offset, stages/asr_transcript.py).
+all windows decode in parallel (their times are stitched by offset, stages/speech/asr_transcript.py).
 Unlike openai-whisper's sequential "seek" loop, a window is not conditioned on the previous
 window's text: that is what lets every window of every request share one forward.
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.request import RequestError
-from stages.asr import AsrJob, AsrStage
-from stages.asr_transcript import AudioWindow
+from pipelines.image_request import RequestError
+from stages.speech.asr import AsrJob, AsrStage
+from stages.speech.asr_transcript import AudioWindow
 from stages.pool import PoolConfig
 
 ASR_FAMILY = "whisper"

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.chat_parts import checked_message
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from pipelines.token_bound import max_chars_per_token
-from stages.graph_metrics import MetricsObserver
-from stages.graph_runner import GraphConfig
+from stages.cuda_graph_metrics import MetricsObserver
+from stages.cuda_graphs import GraphConfig
 from stages.llm.params import SamplingParams
 from stages.llm.runner import ModelRunner
 from stages.llm.scheduler import SchedulerConfig

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DETAILS = ("auto", "low", "high")

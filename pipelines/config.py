@@ -8,17 +8,17 @@ from dataclasses import dataclass, field
 from pipelines.asr import AsrConfig
 from pipelines.chat import LLMConfig
 from pipelines.chat_parts import VLMConfig
-from pipelines.request import ImageLimits
+from pipelines.image_request import ImageLimits
 from pipelines.video import VideoConfig
-from stages.media import ImageDecodeLimits
-from stages.media_audio import AudioDecodeLimits
-from stages.media_fetch import FetchPolicy
-from stages.media_video import VideoDecodeLimits
+from stages.media.image import ImageDecodeLimits
+from stages.media.audio import AudioDecodeLimits
+from stages.media.fetch import FetchPolicy
+from stages.media.video import VideoDecodeLimits
 from stages.pool import PoolConfig
-from stages.compile import CompileConfig
-from stages.denoiser import Speedups
-from stages.graph_runner import GraphConfig
-from stages.step_cache import StepCacheConfig
+from stages.diffusion.compile import CompileConfig
+from stages.diffusion.denoiser import Speedups
+from stages.cuda_graphs import GraphConfig
+from stages.diffusion.step_cache import StepCacheConfig
 
 
 @dataclass(frozen=True)

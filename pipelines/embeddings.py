@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from stages.embedding import EmbeddingJob, EmbeddingStage, EmbedInput, ForwardBudget
 from stages.pool import PoolConfig
 

@@ -21,16 +21,16 @@ from pipelines.tts import SPEECH_TASK, TTS_FAMILIES, TTS_POOL, SpeechModel, Spee
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
 from pipelines.registry import detect_family, family_class
-from pipelines.request import ImageRequest, RequestError, Task
+from pipelines.image_request import ImageRequest, RequestError, Task
 from pipelines.video import VideoRequest
 from pipelines.chat_parts import has_media_parts
 from pipelines.vlm import VLM_FAMILY, VLMChatModel, load_media
-from stages.diffusion import DenoiseStage, TextEncodeStage, VaeDecodeStage
+from stages.diffusion.stages import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph
 from stages.metrics import Metrics
 from stages.llm.params import SamplingParams
-from stages.request import RequestHandle
+from stages.request_state import RequestHandle
 from stages.thread_budget import ThreadBudget
 
 log = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ class Engine:
         return _served(self._speakers, model, "speak", "text-to-speech models")
 
     def submit_speech(self, model: str, request: SpeechRequest, *, request_id: str | None = None) -> RequestHandle:
-        """Check, split into phrases and tokenize, then run the tts stage (stages/tts.py).
+        """Check, split into phrases and tokenize, then run the tts stage (stages/speech/tts.py).
 
         Events: DELTA {"index", "audio": float32 [n], "sample_rate"} per phrase, in order; FINAL outputs
         {"audio": float32 [N] (the DELTAs concatenated), "sample_rate", "phrases", "input_tokens"}.
@@ -359,10 +359,10 @@ class Engine:
 
     def submit_transcription(self, model: str, request: TranscriptionRequest, *,
                              request_id: str | None = None) -> RequestHandle:
-        """Check and cut into 30 s windows, then run the asr stage (stages/asr.py: features, encoder, decode).
+        """Check and cut into 30 s windows, then run the asr stage (stages/speech/asr.py: features, encoder, decode).
 
         Events: DELTA {"text"} as text is decoded (request.stream only), in order; FINAL outputs {"text",
-        "segments": [stages.asr_transcript.Segment], "language": code, "duration": s, "windows": [DecodedWindow]}.
+        "segments": [stages.speech.asr_transcript.Segment], "language": code, "duration": s, "windows": [DecodedWindow]}.
         """
         job = self.transcription_model(model).job(request)
         graph = StageGraph.chain(("asr", f"{model}/asr"))
@@ -374,7 +374,7 @@ class Engine:
     def media(self):
         with self._media_lock:
             if self._media is None:
-                from stages.media_pool import MediaPool
+                from stages.media.pool import MediaPool
 
                 m = self.config.media
                 self._media = MediaPool(workers=m.workers, task_cpu_s=m.task_cpu_s, task_memory_mb=m.task_memory_mb,
@@ -383,7 +383,7 @@ class Engine:
 
     def encode_images(self, images: list, fmt: str, quality: int | None = None) -> list[bytes]:
         """PIL images -> encoded bytes, in the media worker processes."""
-        from stages.media import MediaError
+        from stages.media.image import MediaError
         try:
             return [self.media().run("encode_image", np.asarray(im.convert("RGB")), fmt, quality) for im in images]
         except MediaError as exc:
@@ -391,7 +391,7 @@ class Engine:
 
     def decode_image(self, data: bytes, *, param: str, mode: str = "RGB"):
         """Uploaded bytes -> PIL image, decoded with limits in a media worker process."""
-        from stages.media import MediaError
+        from stages.media.image import MediaError
         try:
             decoded = self.media().run("decode_image", data, self.config.media.image, mode=mode)
         except MediaError as exc:
@@ -400,7 +400,7 @@ class Engine:
 
     async def run_media(self, fn_name: str, *args, param: str, **kwargs):
         """A media worker function (decode_image, probe_video, decode_video, ...), awaited; errors name `param`."""
-        from stages.media import MediaError
+        from stages.media.image import MediaError
         try:
             return await asyncio.wrap_future(self.media().submit(fn_name, *args, **kwargs))
         except MediaError as exc:
@@ -408,8 +408,8 @@ class Engine:
 
     async def load_source(self, source: str, *, param: str) -> bytes:
         """The bytes of a `data:` URI, an http(s) URL or an allowed file:// path, fetched safely."""
-        from stages.media import MediaError
-        from stages.media_fetch import load_source
+        from stages.media.image import MediaError
+        from stages.media.fetch import load_source
         try:
             return await load_source(source, self.config.media.fetch, observe=self._fetch_event)
         except MediaError as exc:

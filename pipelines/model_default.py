@@ -4,8 +4,8 @@
     weights are real; a random-weight model (a demo or test checkpoint: real code path, noise out)
     only when no real-weight model does the task.
 
-ModelInfo.random_weights carries what the demo builders (pipelines/demo.py) or the config say. The
-REST routes (serve/models.py) and the realtime video sessions (realtime/video_models.py) all pick
+ModelInfo.random_weights carries what the demo builders (pipelines/demo/__init__.py) or the config say. The
+REST routes (serve/models.py) and the realtime video sessions (realtime/video/models.py) all pick
 their defaults here.
 """
 

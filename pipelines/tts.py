@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.phrases import PhraseLimits, split_phrases
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from stages.pool import PoolConfig
-from stages.tts import Phrase, SpeechJob, TtsStage
+from stages.speech.tts import Phrase, SpeechJob, TtsStage
 
 VITS_FAMILY = "vits"
 SPEECHT5_FAMILY = "speecht5"

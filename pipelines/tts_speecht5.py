@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pipelines.tts import checkpoint_dir
-from stages.audio_dsp import stretch_frames
+from stages.speech.audio_dsp import stretch_frames
 
 log = logging.getLogger(__name__)
 

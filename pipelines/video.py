@@ -14,8 +14,8 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from pipelines.request import RequestError
-from stages.step_cache import StepCacheParams
+from pipelines.image_request import RequestError
+from stages.diffusion.step_cache import StepCacheParams
 
 
 class VideoTask(str, enum.Enum):

@@ -22,7 +22,7 @@ from encoders.cache import EncoderCache
 from encoders.vision import EncodeTask, MediaItem, adapter_class
 from pipelines.chat import ChatModel, ChatRequest, LLMConfig
 from pipelines.chat_parts import ParsedChat, VLMConfig, parse_messages
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from pipelines.token_bound import max_chars_per_token
 from stages.llm import attention
 from stages.llm.multimodal import MediaSpan, MRoPE

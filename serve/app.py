@@ -13,9 +13,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from serve import routes_chat, routes_embeddings, routes_images, routes_speech, routes_system
-from serve import routes_batches, routes_transcriptions, routes_videos
-from serve import routes_realtime, routes_realtime_video
+from serve.routes import batches, chat, embeddings, images, realtime_video, realtime_voice, speech, system
+from serve.routes import transcriptions, videos
 from serve.body_limit import BodyLimit
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
@@ -62,21 +61,21 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.state.job_runner = JobRunner(app.state.job_store, engine, app, job_policy or JobPolicy())
     app.state.video_sessions = registry_for("video", engine.config.realtime)
     app.state.voice_sessions = registry_for("voice", engine.config.realtime)
-    app.include_router(routes_chat.router)
-    app.include_router(routes_embeddings.router)
-    app.include_router(routes_images.router)
-    app.include_router(routes_speech.router)
-    app.include_router(routes_transcriptions.router)
-    app.include_router(routes_system.router)
-    app.include_router(routes_videos.router)
-    app.include_router(routes_batches.router)
-    app.include_router(routes_realtime_video.router)
-    app.include_router(routes_realtime.router)
+    app.include_router(chat.router)
+    app.include_router(embeddings.router)
+    app.include_router(images.router)
+    app.include_router(speech.router)
+    app.include_router(transcriptions.router)
+    app.include_router(system.router)
+    app.include_router(videos.router)
+    app.include_router(batches.router)
+    app.include_router(realtime_video.router)
+    app.include_router(realtime_voice.router)
     install_error_handlers(app)
     # Request lines carry query strings (signed image links), and uvicorn's own handlers print them: masked.
     redact_loggers("uvicorn.access", "uvicorn.error")
     install_openapi(app)  # /openapi.json says what the routes answer (serve/openapi.py)
     app.add_middleware(BodyLimit, json_bytes=max_body_bytes,  # inside RequestCounter: its 413s are counted
-                       multipart_bytes=max(2 * max_upload_bytes, routes_batches.MAX_FILE_BYTES) + FORM_FIELDS_BYTES)
+                       multipart_bytes=max(2 * max_upload_bytes, batches.MAX_FILE_BYTES) + FORM_FIELDS_BYTES)
     app.add_middleware(RequestCounter, counter=engine.metrics.requests)
     return app

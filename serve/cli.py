@@ -199,7 +199,7 @@ def _convert_whisper_ct2(args) -> int:
 
 def _generate_image(args) -> int:
     from pipelines.engine import Engine
-    from pipelines.request import ImageRequest
+    from pipelines.image_request import ImageRequest
     from serve.schemas import parse_size
     from stages.events import StageError
 

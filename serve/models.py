@@ -7,7 +7,7 @@ The default rule (pipelines/model_default.py; one rule for every route, and the 
     real code path, noise out) is the default only when no real-weight model does the task.
 
 Random weights are data on the model (ModelInfo.random_weights): the demo builders say it of their
-checkpoints (pipelines/demo.py), a `[[models]]` entry may say it with `random_weights = true`, and
+checkpoints (pipelines/demo/__init__.py), a `[[models]]` entry may say it with `random_weights = true`, and
 `/v1/models` shows it. A named model is used as named: 404 `model_not_found` when it is not served,
 400 `unsupported_task` when it does not do the task. While models are loading, a request that names
 none, or names one not loaded yet, gets 503 `model_loading` (a default picked then could be a
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipelines.model_default import default_model
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from stages.events import StageError
 
 

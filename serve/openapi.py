@@ -24,8 +24,8 @@ from pydantic.json_schema import models_json_schema
 
 from serve import openapi_models as m
 from serve.auth import tenant_of
-from serve.routes_speech import CONTENT_TYPES as SPEECH_TYPES
-from serve.routes_videos import VideoBody
+from serve.routes.speech import CONTENT_TYPES as SPEECH_TYPES
+from serve.routes.videos import VideoBody
 
 REF = "#/components/schemas/{model}"
 BINARY = {"type": "string", "format": "binary"}

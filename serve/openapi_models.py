@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve.routes_videos import VideoBody
+from serve.routes.videos import VideoBody
 from serve.schemas import ImageEditRequest
 
 # -- errors (serve/errors.py error_body) ---------------------------------------------------------
@@ -32,7 +32,7 @@ class Error(BaseModel):
     error: ErrorDetail
 
 
-# -- system (serve/routes_system.py) -------------------------------------------------------------
+# -- system (serve/routes/system.py) -------------------------------------------------------------
 
 
 class Health(BaseModel):
@@ -151,7 +151,7 @@ class EmbeddingImagePart(BaseModel):
     image_url: str | dict[str, str]  # "<url>" or {"url": "<url>"}
 
 
-# /v1/embeddings `input` (serve/routes_embeddings.py parse_input)
+# /v1/embeddings `input` (serve/routes/embeddings.py parse_input)
 EmbeddingInput = Union[str, TokenIds, Annotated[list[Union[str, TokenIds, TextPart, EmbeddingImagePart]],
                                                  Field(min_length=1)]]
 
@@ -228,7 +228,7 @@ class Completion(BaseModel):
     usage: Usage
 
 
-# -- embeddings (serve/routes_embeddings.py reply) -----------------------------------------------
+# -- embeddings (serve/routes/embeddings.py reply) -----------------------------------------------
 
 
 class Embedding(BaseModel):
@@ -249,7 +249,7 @@ class EmbeddingList(BaseModel):
     usage: EmbeddingUsage
 
 
-# -- audio (serve/routes_speech.py, serve/routes_transcriptions.py, serve/transcripts.py) --------
+# -- audio (serve/routes/speech.py, serve/routes/transcriptions.py, serve/transcripts.py) --------
 
 
 class Voice(BaseModel):
@@ -303,7 +303,7 @@ ResponseFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]  # serve/
 
 
 class TranslationForm(BaseModel):
-    """POST /v1/audio/translations (multipart/form-data; serve/routes_transcriptions.py read_audio_form)."""
+    """POST /v1/audio/translations (multipart/form-data; serve/routes/transcriptions.py read_audio_form)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -325,7 +325,7 @@ class TranscriptionForm(TranslationForm):
     chunking_strategy: str | None = None  # accepted, ignored
 
 
-# -- videos (serve/routes_videos.py video_object) ------------------------------------------------
+# -- videos (serve/routes/videos.py video_object) ------------------------------------------------
 
 
 class JobError(BaseModel):
@@ -368,7 +368,7 @@ class VideoForm(VideoBody):
     input_reference: bytes | None = None  # type: ignore[assignment]
 
 
-# -- files and batches (serve/routes_batches.py) -------------------------------------------------
+# -- files and batches (serve/routes/batches.py) -------------------------------------------------
 
 
 class FileForm(BaseModel):

@@ -21,7 +21,7 @@ from serve.errors import error_body, stage_error_parts
 from serve.files import ImageStore
 from serve.schemas import ImageParams, size_string
 from stages.events import EventKind, StageError
-from stages.request import RequestHandle
+from stages.request_state import RequestHandle
 
 _DISCONNECT_POLL_S = 0.1
 _NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},

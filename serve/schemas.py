@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.request import ImageRequest, RequestError, Task
-from stages.step_cache import MAX_INTERVAL, MAX_THRESHOLD
+from pipelines.image_request import ImageRequest, RequestError, Task
+from stages.diffusion.step_cache import MAX_INTERVAL, MAX_THRESHOLD
 
 ResponseFormat = Literal["b64_json", "url"]
 OutputFormat = Literal["png", "jpeg", "webp"]

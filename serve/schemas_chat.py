@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from stages.llm.params import MAX_N, SamplingParams
 
 # SamplingParams fields a request may set under the same name.

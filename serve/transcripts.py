@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serve.responses import event_stream
-from stages.request import RequestHandle
+from stages.request_state import RequestHandle
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 TIMED_FORMATS = ("srt", "vtt", "verbose_json")  # need segment times: decoded with timestamp tokens

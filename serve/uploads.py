@@ -16,7 +16,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
-from pipelines.request import ImageRequest, RequestError, Task
+from pipelines.image_request import ImageRequest, RequestError, Task
 from serve.bodies import read_json_object
 from serve.errors import ApiError
 

@@ -1,5 +1,5 @@
 """The stage runtime: stages, pools, graphs and the executor that runs them.
 
-Kept free of heavy imports so that media worker processes can import `stages.media`
+Kept free of heavy imports so that media worker processes can import `stages.media.image`
 without pulling in torch.
 """

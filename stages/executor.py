@@ -11,7 +11,7 @@ from stages.events import CapacityError, EventKind, StageError
 from stages.graph import StageGraph
 from stages.metrics import Metrics
 from stages.pool import PoolConfig, StagePool
-from stages.request import RequestHandle, RequestState
+from stages.request_state import RequestHandle, RequestState
 from stages.stage import Stage, WorkItem
 from stages.thread_budget import ThreadBudget
 

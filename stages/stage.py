@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from stages.events import EventKind
-from stages.request import RequestState
+from stages.request_state import RequestState
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Not part of the server: a test registers them on its own pool with
 `MediaPool(..., extra_functions=TEST_FUNCTIONS)`; the engine's pool never lists them. A worker is a
 fresh interpreter on the parent's sys.path, so it imports this module under the name the test did.
-Imports only the stdlib and numpy, as stages.media does, so a worker's baseline stays small.
+Imports only the stdlib and numpy, as stages.media.image does, so a worker's baseline stays small.
 """
 
 from __future__ import annotations
@@ -48,6 +48,6 @@ def _test_allocate(mb: int) -> int:
     return int(block.size)
 
 
-# name -> module, the form of stages.media.WORKER_FUNCTIONS
+# name -> module, the form of stages.media.image.WORKER_FUNCTIONS
 TEST_FUNCTIONS = {name: __name__ for name in ("_test_echo", "_test_sleep", "_test_crash", "_test_burn_cpu",
                                               "_test_allocate")}

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.request import ImageRequest
-from stages.compile import CompileConfig
-from stages.graph_runner import GraphConfig
-from stages.step_cache import StepCacheConfig
+from pipelines.image_request import ImageRequest
+from stages.diffusion.compile import CompileConfig
+from stages.cuda_graphs import GraphConfig
+from stages.diffusion.step_cache import StepCacheConfig
 from tests.helpers import running_engine
 
 # The "eager" backend runs dynamo's capture and guards without code generation: the plumbing, in seconds.

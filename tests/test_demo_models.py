@@ -18,7 +18,7 @@ PIPELINES = {
     "sd3": StableDiffusion3Pipeline,
     "flux": FluxPipeline,
 }
-DEFAULT_SIZE = {"sd": 64, "sdxl": 64, "sd3": 64, "flux": 512}  # px, square; see pipelines/demo.py
+DEFAULT_SIZE = {"sd": 64, "sdxl": 64, "sd3": 64, "flux": 512}  # px, square; see pipelines/demo/__init__.py
 # SD3 without T5: these two are not optional components, so from_pretrained needs them named.
 LOAD_KWARGS = {"sd3": {"text_encoder_3": None, "tokenizer_3": None}}
 # diffusers' EulerDiscreteScheduler.set_timesteps calls np.array on a torch tensor (numpy 2 deprecation).

@@ -18,11 +18,11 @@ import torch
 from encoders.text_embedding import POOLING_FLAGS, TokenTemplate, pool, read_sentence_config
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.demo import build_demo_model
-from pipelines.demo_embedding import minilm_path
+from pipelines.demo.embedding import minilm_path
 from pipelines.embeddings import EmbeddingRequest, ImageInput
 from pipelines.engine import Engine
 from pipelines.registry import detect_family
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from stages.embedding import plan_forwards, shorten
 from tests.helpers import noise_image
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline
 
-from pipelines.request import ImageRequest, RequestError, Task
+from pipelines.image_request import ImageRequest, RequestError, Task
 from tests.helpers import half_mask, noise_image, running_engine, seeded, variant
 
 SIZE = 32  # 32 x 32 px -> 16 x 32 x 32 latents -> 256 packed tokens

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from diffusers import LTXImageToVideoPipeline, LTXPipeline
 
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from pipelines.video import VideoConfig, VideoRequest
-from stages.media_video import encode_video
+from stages.media.video import encode_video
 from tests.helpers import noise_image, running_engine, seeded, variant
 
 SIZE, FRAMES = 32, 9  # 32 x 32 px, 9 frames -> 8 x 3 x 8 x 8 latents, 192 tokens

@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, StableDiffusion3Pipeline
 
-from pipelines.request import ImageRequest, RequestError, Task
+from pipelines.image_request import ImageRequest, RequestError, Task
 from tests.helpers import half_mask, noise_image, running_engine, seeded, variant
 
 

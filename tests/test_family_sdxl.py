@@ -15,7 +15,7 @@ from PIL import Image
 
 from pipelines.demo import build_demo_model
 from pipelines.engine import Engine
-from pipelines.request import ImageRequest, Task
+from pipelines.image_request import ImageRequest, Task
 from tests.helpers import running_engine, seeded, variant
 
 ATOL = 1e-5  # float tolerance only: the same math in the same order

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from diffusers import WanImageToVideoPipeline, WanPipeline
 
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from pipelines.video import VideoRequest
 from stages.events import EventKind
-from stages.media_video import encode_video
+from stages.media.video import encode_video
 from tests.helpers import noise_image, running_engine, seeded
 
 SIZE, FRAMES = 32, 9  # 32 x 32 px, 9 frames -> 16 x 3 x 4 x 4 latents
@@ -137,7 +137,7 @@ def test_bad_requests_name_the_field(engine, kwargs, param):
 
 
 def test_image_requests_and_video_requests_do_not_cross(engine):
-    from pipelines.request import ImageRequest
+    from pipelines.image_request import ImageRequest
 
     with pytest.raises(RequestError) as err:
         engine.submit_image("m", ImageRequest(prompt="x", width=SIZE, height=SIZE))
@@ -152,7 +152,7 @@ def wan22_paths(tmp_path_factory):
 
     import torch
 
-    from pipelines.demo_video import build_wan
+    from pipelines.demo.video import build_wan
 
     parts = dict(build_wan(0, "tiny").components)
     with torch.random.fork_rng(devices=[]):
@@ -191,7 +191,7 @@ def test_wan22_ti2v_image_to_video_equals_diffusers(wan22_paths):
 
 
 def test_wan21_image_to_video_with_clip_image_embeddings_equals_diffusers(tmp_path):
-    from pipelines.demo_video import build_wan
+    from pipelines.demo.video import build_wan
 
     build_wan(0, "tiny", image_to_video=True, clip_image_encoder=True).save_pretrained(tmp_path / "wan21-i2v")
     path, image = str(tmp_path / "wan21-i2v"), noise_image(40)

@@ -12,8 +12,8 @@ import torch
 from pipelines.chat import ChatRequest
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.engine import Engine
-from pipelines.request import ImageRequest
-from stages.graph_runner import GraphConfig, GraphRunner, signature
+from pipelines.image_request import ImageRequest
+from stages.cuda_graphs import GraphConfig, GraphRunner, signature
 from stages.llm.params import SamplingParams
 from tests.helpers import running_engine
 
@@ -103,7 +103,7 @@ def test_never_padding_and_rows_over_the_largest_bucket_run_eagerly(caplog):
     runner.seal()
     runner(_inputs(3), SHARED)
     assert fn.calls[-1] == 3 and runner.observer.eager_calls == {"padding": 1}
-    with caplog.at_level(logging.INFO, logger="stages.graph_runner"):
+    with caplog.at_level(logging.INFO, logger="stages.cuda_graphs"):
         runner(_inputs(5), SHARED)
         runner(_inputs(6), SHARED)
     assert runner.observer.eager_calls["rows"] == 2
@@ -123,7 +123,7 @@ def test_a_shape_missed_after_warm_up_runs_eagerly_and_names_the_field_once(capl
     runner, fn = _runner()
     runner(_inputs(2), SHARED)
     runner.seal()
-    with caplog.at_level(logging.WARNING, logger="stages.graph_runner"):
+    with caplog.at_level(logging.WARNING, logger="stages.cuda_graphs"):
         for _ in range(3):
             out = runner(_inputs(2, dim=6), {**SHARED, "scale": 3.0})
     torch.testing.assert_close(out, fn(**_inputs(2), **{**SHARED, "scale": 3.0}))
@@ -161,7 +161,7 @@ def test_denoise_replays_padded_buckets_and_equals_eager(sd_demo, caplog):
         np.testing.assert_allclose(got_cfg, want_cfg, atol=1e-5)
         np.testing.assert_allclose(got_pad, want_pad, atol=1e-5)  # 3 rows padded to 4
         assert _metric(engine, "mmserve_graph_padded_rows_total") >= 3  # one padding row per step
-        with caplog.at_level(logging.WARNING, logger="stages.graph_runner"):
+        with caplog.at_level(logging.WARNING, logger="stages.cuda_graphs"):
             engine.submit_image("m", ImageRequest(**{**kwargs, "width": 32, "height": 32})).result()
         assert _metric(engine, "mmserve_graph_eager_total", reason="shape") == 3
         assert any("no graph for sample=((4, 4, 4), 'float32')" in r.message for r in caplog.records)

@@ -28,7 +28,7 @@ from pipelines.video import VideoLimits, VideoRequest
 from serve.jobs import IdempotencyKeyReused, JobStore, request_digest, write_atomic
 from stages.events import EventKind
 from stages.metrics import Metrics
-from stages.request import RequestHandle, RequestState
+from stages.request_state import RequestHandle, RequestState
 
 # -- store --------------------------------------------------------------------------------------
 

@@ -92,7 +92,7 @@ def test_fused_commit_path_keeps_flux_equal(tmp_path, monkeypatch):
     """fused_kernels on: the flow-matching commit and the adaLN norms take the fused path (the reference math
     on the CPU) and the image stays equal to the default path."""
     from pipelines.demo import build_demo_model
-    from pipelines.request import ImageRequest
+    from pipelines.image_request import ImageRequest
     from tests.helpers import running_engine
 
     path = str(build_demo_model("flux", tmp_path / "flux"))

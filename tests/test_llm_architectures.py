@@ -9,7 +9,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                           MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from pipelines.chat import ChatRequest, LLMConfig
-from pipelines.demo_llm import chat_tokenizer
+from pipelines.demo.llm import chat_tokenizer
 from stages.llm.params import SamplingParams
 from tests.helpers import running_engine
 

@@ -1,4 +1,4 @@
-"""Image codecs (stages.media) and the media worker pool (stages.media_pool). CPU only, offline."""
+"""Image codecs (stages.media.image) and the media worker pool (stages.media.pool). CPU only, offline."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stages.media import WORKER_FUNCTIONS, DecodedImage, ImageDecodeLimits, MediaError, decode_image, encode_image
-from stages.media_pool import MediaPool
+from stages.media.image import WORKER_FUNCTIONS, DecodedImage, ImageDecodeLimits, MediaError, decode_image, encode_image
+from stages.media.pool import MediaPool
 from stages.metrics import Metrics
 
 try:
@@ -274,7 +274,7 @@ def test_bad_calls_are_refused_without_losing_a_worker(pool):
 
 
 def test_test_functions_exist_only_where_a_test_registers_them():
-    import stages.media as media
+    import stages.media.image as media
 
     assert not [name for name in dir(media) if name.startswith("_test")]
     assert not [name for name in WORKER_FUNCTIONS if name.startswith("_test")]

@@ -1,4 +1,4 @@
-"""Audio probe / decode / encode (stages.media_audio). CPU only, offline; media made in memory."""
+"""Audio probe / decode / encode (stages.media.audio). CPU only, offline; media made in memory."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import av
 import numpy as np
 import pytest
 
-from stages.media import MediaError
-from stages.media_audio import (
+from stages.media.image import MediaError
+from stages.media.audio import (
     AudioDecodeLimits, AudioStreamEncoder, DecodedAudio, RawPCM, decode_audio, encode_audio, probe_audio,
 )
-from stages.media_pool import MediaPool
+from stages.media.pool import MediaPool
 
 RATE = 16_000
 

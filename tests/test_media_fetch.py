@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stages import media_fetch
-from stages.media import MediaError
-from stages.media_fetch import (FetchOutcome, FetchPolicy, address_block_reason, literal_address, load_source,
+from stages.media import fetch as media_fetch
+from stages.media.image import MediaError
+from stages.media.fetch import (FetchOutcome, FetchPolicy, address_block_reason, literal_address, load_source,
                                 load_source_sync)
 
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from stages.media import ImageDecodeLimits, MediaError, decode_image, encode_image
+from stages.media.image import ImageDecodeLimits, MediaError, decode_image, encode_image
 
 SMALL = ImageDecodeLimits(max_bytes=1 << 20, max_pixels=512 * 512)
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,8 +90,8 @@ def test_lying_headers(width, height):
 # -- video and audio ---------------------------------------------------------------------------
 
 def _media_samples() -> dict[str, tuple[str, bytes]]:
-    from stages.media_audio import encode_audio
-    from stages.media_video import encode_video
+    from stages.media.audio import encode_audio
+    from stages.media.video import encode_video
 
     frames = (np.random.RandomState(1).rand(6, 32, 32, 3) * 255).astype("uint8")
     tone = np.sin(np.linspace(0, 200 * np.pi, 8000)).astype("float32") * 0.5
@@ -104,8 +104,8 @@ MEDIA = _media_samples()
 
 
 def _av_decodes_or_refuses(kind: str, data: bytes) -> None:
-    from stages.media_audio import AudioDecodeLimits, decode_audio
-    from stages.media_video import VideoDecodeLimits, decode_video
+    from stages.media.audio import AudioDecodeLimits, decode_audio
+    from stages.media.video import VideoDecodeLimits, decode_video
 
     try:
         if kind == "video":

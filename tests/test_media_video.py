@@ -1,4 +1,4 @@
-"""Video probing, seek sampling and encoding (stages.media_video*). CPU only, offline.
+"""Video probing, seek sampling and encoding (stages.media.video*). CPU only, offline.
 
 Test videos are made here with PyAV: each frame has its index painted into it as 16x16
 black/white blocks (one bit each), which survive any codec, so a returned frame says which
@@ -23,13 +23,13 @@ import av
 import numpy as np
 import pytest
 
-from stages import media_video_seek
-from stages.media import WORKER_FUNCTIONS, MediaError, worker_function
-from stages.media_pool import MediaPool
-from stages.media_video import (
+from stages.media import video_seek as media_video_seek
+from stages.media.image import WORKER_FUNCTIONS, MediaError, worker_function
+from stages.media.pool import MediaPool
+from stages.media.video import (
     DecodedVideo, VideoDecodeLimits, VideoSampling, decode_all_frames, decode_video, probe_video,
 )
-from stages.media_video_encode import FragmentedMP4Writer, encode_video
+from stages.media.video_encode import FragmentedMP4Writer, encode_video
 
 try:
     from tests.media_worker_tasks import TEST_FUNCTIONS

@@ -15,7 +15,7 @@ from schemathesis.core.failures import FailureGroup
 from pipelines.config import RealtimeConfig
 from serve.app import create_app
 from serve.openapi import OPERATIONS, build_schema, schema_routes
-from serve.routes_videos import VideoBody
+from serve.routes.videos import VideoBody
 from serve.schemas import ImageEditRequest
 from stages.metrics import Metrics
 from tests.schema_checks import validate

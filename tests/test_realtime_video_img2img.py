@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines.request import ImageRequest, Task
+from pipelines.image_request import ImageRequest, Task
 from tests.test_realtime_video_support import (Client, Media, batches_of_two_or_more, decode_jpeg, jpeg,  # noqa: F401
                                                painted_frame, server, slow_denoiser, video_demo_models)  # fixtures
 
@@ -192,7 +192,7 @@ async def _drain(client: Client, done: asyncio.Event) -> None:
 def test_overload_gives_back_its_notches_in_reverse_order_once_on_time(server):
     """The session's own ladder, fed outcomes directly (no clock involved): 3 notches down, then back up."""
     from pipelines.config import RealtimeConfig
-    from realtime.video import VideoSession
+    from realtime.video.session import VideoSession
 
     async def main():
         session = VideoSession.open(server.engine, {"mode": "img2img", "model": "sd-demo", "prompt": PROMPT, "steps": 4,

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from pipelines.video import VideoRequest
-from stages.media_video_encode import encode_fmp4_segment
+from stages.media.video_encode import encode_fmp4_segment
 from tests.test_realtime_video_support import (Client, decode_jpeg, decode_mp4, server,  # noqa: F401  (fixtures)
                                                video_demo_models)
 

@@ -19,9 +19,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from pipelines.config import VoiceSessionConfig
 from realtime.sessions import Journal, Outbox
-from realtime.vad import VadLoader
-from realtime.voice import VoiceSession
-from realtime.voice_response import OutputChunk
+from realtime.voice.vad import VadLoader
+from realtime.voice.session import VoiceSession
+from realtime.voice.response import OutputChunk
 from tests.test_realtime_voice_support import (ESPEAK, Collector, append_event, needs_speech, pcm_b64, silence, speech,
                                                stream, voice_engine, voice_models, voiced)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from pipelines.demo_whisper import tiny_en_source
+from pipelines.demo.whisper import tiny_en_source
 
 ESPEAK = shutil.which("espeak-ng")
 REAL_ASR = tiny_en_source() is not None
@@ -58,7 +58,7 @@ def voice_engine(paths: dict[str, str], *, max_output_tokens: int = 24, realtime
 
 def speech(text: str, rate: int = RATE) -> np.ndarray:
     """espeak-ng reading `text`, float32 mono at `rate`."""
-    from stages.audio_dsp import resample
+    from stages.speech.audio_dsp import resample
 
     wav = subprocess.run([ESPEAK, "-v", "en-us", "-s", "150", "--stdout", text], capture_output=True, check=True).stdout
     with wave.open(io.BytesIO(wav)) as w:
@@ -81,7 +81,7 @@ def silence(seconds: float, rate: int = RATE) -> np.ndarray:
 
 
 def pcm_b64(samples: np.ndarray) -> str:
-    from realtime.audio_codec import PCM16, b64encode, encode
+    from realtime.voice.audio_codec import PCM16, b64encode, encode
 
     return b64encode(encode(samples, PCM16))
 

@@ -9,10 +9,10 @@ import warnings
 import numpy as np
 import pytest
 
-from realtime.audio_codec import (ALAW, PCM16, ULAW, AudioDecodeError, StreamResampler, b64decode, decode, encode)
-from realtime.vad import EnergyModel, TurnDetector, VadLoader, VadParams, silero_file
-from realtime.voice_items import Conversation, Item, Phrase, PlaybackClock
-from realtime.voice_protocol import (ProtocolError, SessionConfig, TurnDetection, apply_session_update,
+from realtime.voice.audio_codec import (ALAW, PCM16, ULAW, AudioDecodeError, StreamResampler, b64decode, decode, encode)
+from realtime.voice.vad import EnergyModel, TurnDetector, VadLoader, VadParams, silero_file
+from realtime.voice.items import Conversation, Item, Phrase, PlaybackClock
+from realtime.voice.protocol import (ProtocolError, SessionConfig, TurnDetection, apply_session_update,
                                      is_beta_session, parse_client_event, parse_item, parse_response_params,
                                      session_object)
 from tests.test_realtime_voice_support import ESPEAK, silence, speech, voiced
@@ -50,7 +50,7 @@ def test_bad_audio_is_named():
 
 
 def test_streaming_resampler_equals_resampling_whole():
-    from stages.audio_dsp import resample
+    from stages.speech.audio_dsp import resample
 
     x = np.random.default_rng(0).standard_normal(24_000).astype(np.float32) * 0.3
     for orig, new in ((24_000, 16_000), (8_000, 16_000)):

@@ -8,7 +8,7 @@ from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipe
 from PIL import Image
 
 from pipelines import Pipeline
-from pipelines.request import ImageRequest, RequestError, Task
+from pipelines.image_request import ImageRequest, RequestError, Task
 from stages.events import EventKind, StageError
 from tests.helpers import half_mask, noise_image, running_engine, seeded, variant
 

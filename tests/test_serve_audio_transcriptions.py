@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from pipelines.demo import build_demo_model
-from pipelines.demo_whisper import tiny_en_source
+from pipelines.demo.whisper import tiny_en_source
 from tests.test_serve_support import ENV, REPO, Server, metric
 
 MAX_DURATION_S = 120  # [media.audio] limit of the test server

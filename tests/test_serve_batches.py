@@ -376,7 +376,7 @@ def test_image_to_video_bad_reference_is_refused_up_front(server):
 def _wav_uri(seconds: float = 0.5) -> str:
     import numpy as np
 
-    from stages.media_audio import encode_audio
+    from stages.media.audio import encode_audio
 
     t = np.arange(int(16000 * seconds), dtype=np.float32) / 16000
     wav = encode_audio((0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16000, "wav")

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from pipelines.demo_embedding import minilm_path
+from pipelines.demo.embedding import minilm_path
 
 try:
     from tests.test_serve_support import Server, png_bytes

@@ -128,7 +128,7 @@ def local_server(sd_path, media_host):
     from pipelines.config import EngineConfig, MediaConfig, ModelSpec
     from pipelines.engine import Engine
     from serve.app import create_app
-    from stages.media_fetch import FetchPolicy
+    from stages.media.fetch import FetchPolicy
     from tests.test_serve_support import free_port
 
     engine = Engine(EngineConfig(models=(ModelSpec("sd", sd_path),),

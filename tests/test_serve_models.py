@@ -29,8 +29,8 @@ def test_the_default_is_the_first_real_weight_model_of_the_task_in_config_order(
 
 def test_demo_checkpoints_say_whether_their_weights_are_random(tmp_path):
     from pipelines.demo import build_demo_model, stamped_random_weights
-    from pipelines.demo_embedding import minilm_path
-    from pipelines.demo_whisper import tiny_en_source
+    from pipelines.demo.embedding import minilm_path
+    from pipelines.demo.whisper import tiny_en_source
     from serve.config import demo_specs
 
     whisper = build_demo_model("whisper", tmp_path / "whisper")

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from pipelines.request import RequestError, Task
+from pipelines.image_request import RequestError, Task
 from serve.auth import load_api_keys
 from serve.errors import error_body, validation_error_parts
 from serve.files import ImageStore

@@ -108,7 +108,7 @@ def test_models_list_shows_vision_chat(client):
 
 
 def test_video_chat(client):
-    from stages.media_video import encode_video
+    from stages.media.video import encode_video
 
     video = encode_video((np.random.RandomState(3).rand(8, 56, 84, 3) * 255).astype("uint8"), fps=4.0)
     part = {"type": "video_url", "video_url": {"url": data_uri(video, "video/mp4"), "fps": 2.0, "max_frames": 4}}

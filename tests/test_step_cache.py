@@ -10,12 +10,12 @@ import torch
 import pytest
 from fastapi.testclient import TestClient
 
-from pipelines.request import ImageRequest, RequestError
+from pipelines.image_request import ImageRequest, RequestError
 from pipelines.video import VideoRequest
 from stages.events import StageError
-from stages.step_cache import (BranchCache, StepCacheParams, StepCacheState, decide_interval, decide_teacache,
+from stages.diffusion.step_cache import (BranchCache, StepCacheParams, StepCacheState, decide_interval, decide_teacache,
                                rescale)
-from stages.step_cache import StepCacheConfig
+from stages.diffusion.step_cache import StepCacheConfig
 from tests.helpers import running_engine
 
 ALLOW = StepCacheConfig(enabled=True)
@@ -198,7 +198,7 @@ class _Block(torch.nn.Module):
 
 
 def _toy_stack():
-    from stages.block_stack import BlockStack, CacheSpec
+    from stages.diffusion.block_stack import BlockStack, CacheSpec
 
     blocks = [_Block(k) for k in range(3)]
     stack = BlockStack(CacheSpec("toy", tuple(blocks), encoder="encoder_hidden_states", out_hidden=1, out_encoder=0,
@@ -213,7 +213,7 @@ def _toy_stack():
 
 def _groups(states, step, total=6):
     """Rows: two per request (no CFG, n=2); None: an uncached request."""
-    from stages.block_stack import RowGroup
+    from stages.diffusion.block_stack import RowGroup
 
     return [RowGroup(2 * i, 2 * i + 2, s, 0, step, total) for i, s in enumerate(states)]
 
@@ -257,7 +257,7 @@ def test_video_jobs_carry_the_step_cache_to_the_engine(engines):
     """/v1/videos: the extension field is validated by the body (JSON or multipart text) and the family."""
     from pydantic import ValidationError
 
-    from serve.routes_videos import VideoBody, precheck
+    from serve.routes.videos import VideoBody, precheck
 
     body = VideoBody.model_validate({"prompt": "waves", "step_cache": '{"method": "fbcache", "threshold": 0.1}'})
     fields = body.video_fields("m")

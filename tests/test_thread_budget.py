@@ -12,7 +12,7 @@ import torch
 
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.engine import Engine
-from pipelines.request import ImageRequest
+from pipelines.image_request import ImageRequest
 from serve.config import load_config
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph

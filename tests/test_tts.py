@@ -1,7 +1,7 @@
 """Text to speech below HTTP: phrase splitting, resampling and fades, the family adapters against the
 models' own forward / generate_speech, and the tts stage through the engine (streaming, speed, checks).
 
-Tiny seeded random checkpoints (pipelines/demo_tts.py), saved and reloaded with from_pretrained.
+Tiny seeded random checkpoints (pipelines/demo/tts.py), saved and reloaded with from_pretrained.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pipelines.phrases import PhraseLimits, PhraseSplitter, split_phrases
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from pipelines.tts import SpeechRequest
-from stages.audio_dsp import fade_edges, resample, stretch_frames
+from stages.speech.audio_dsp import fade_edges, resample, stretch_frames
 from stages.events import EventKind, StageError
 
 TEXT = ("Hello there. This is a test of the speech server, with several phrases! Does it stream? "
@@ -201,7 +201,7 @@ def test_streamed_chunks_are_the_whole_output_and_join_click_free(engine, model)
 
 @pytest.mark.parametrize("model", ["vits", "speecht5"])
 def test_the_stage_renders_what_the_adapter_makes_faded(engine, model):
-    from stages.tts import FADE_S
+    from stages.speech.tts import FADE_S
 
     speaker = engine.speech_model(model).speaker
     [chunk], outputs = speak(engine, model, "Just one phrase here", seed=7, voice="echo")

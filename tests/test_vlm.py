@@ -25,7 +25,7 @@ from pipelines.engine import Engine
 from stages.events import StageError
 from stages.llm.multimodal import MediaSpan, attach_features, mrope_positions, MRoPE
 from stages.llm.params import SamplingParams
-from stages.media_video import decode_video, encode_video
+from stages.media.video import decode_video, encode_video
 from stages.pool import PoolConfig
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=10)

@@ -3,7 +3,7 @@
 A family subclass reads like the diffusers pipeline it mirrors, in numbered steps. The
 diffusers pipeline object is used for its components and its helper methods (prompt
 encoding, latent preparation) on a per-request *view* that carries the request's own
-scheduler; the denoise loop itself is ours (stages/diffusion.py).
+scheduler; the denoise loop itself is ours (stages/diffusion/stages.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from PIL import Image
 
 from encoders.cache import EncoderCache
 from pipelines.families.speedups import DenoiserSpeedups
-from pipelines.request import ImageRequest, RequestError, Task
-from stages.denoiser import DenoiserCall, Speedups
+from pipelines.image_request import ImageRequest, RequestError, Task
+from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -19,10 +19,10 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from pipelines.families.base import ImageFamily
 from pipelines.families.speedups import norm1_indicator
-from pipelines.request import ImageRequest, RequestError, Task
-from stages.block_stack import CacheSpec
+from pipelines.image_request import ImageRequest, RequestError, Task
+from stages.diffusion.block_stack import CacheSpec
 from stages.stage import WorkItem
-from stages.step_cache import TEACACHE_COEFFICIENTS
+from stages.diffusion.step_cache import TEACACHE_COEFFICIENTS
 
 MAX_SEQUENCE_LENGTH = 512  # the pipelines' default and their upper limit
 

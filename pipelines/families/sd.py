@@ -12,8 +12,8 @@ from diffusers import (StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPip
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
 from pipelines.families.base import ImageFamily
-from pipelines.request import ImageRequest, Task
-from stages.block_stack import CacheSpec
+from pipelines.image_request import ImageRequest, Task
+from stages.diffusion.block_stack import CacheSpec
 from stages.stage import WorkItem
 
 

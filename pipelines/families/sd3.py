@@ -13,8 +13,8 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 
 from pipelines.families.base import ImageFamily
 from pipelines.families.speedups import norm1_indicator
-from pipelines.request import ImageRequest, RequestError, Task
-from stages.block_stack import CacheSpec
+from pipelines.image_request import ImageRequest, RequestError, Task
+from stages.diffusion.block_stack import CacheSpec
 from stages.stage import WorkItem
 
 MAX_SEQUENCE_LENGTH = 256  # diffusers' default length of the T5 part of the joint-attention text

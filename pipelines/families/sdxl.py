@@ -2,7 +2,7 @@
 text encoders, AutoencoderKL.
 
 Mirrors StableDiffusionXLPipeline / StableDiffusionXLImg2ImgPipeline / StableDiffusionXLInpaintPipeline
-(diffusers 0.42) step for step, with the denoise loop in stages/diffusion.py.
+(diffusers 0.42) step for step, with the denoise loop in stages/diffusion/stages.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from diffusers import (StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpain
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import retrieve_timesteps
 
 from pipelines.families.sd import StableDiffusionFamily
-from pipelines.request import ImageRequest, Task
+from pipelines.image_request import ImageRequest, Task
 from stages.stage import WorkItem
 
 # Micro-conditioning defaults of the diffusers SDXL pipelines (__call__ arguments).

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from pipelines.request import RequestError
-from stages.block_stack import CacheSpec, RowGroup
-from stages.denoiser import DenoiserCall, Speedups
+from pipelines.image_request import RequestError
+from stages.diffusion.block_stack import CacheSpec, RowGroup
+from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
-from stages.step_cache import StepCacheState
+from stages.diffusion.step_cache import StepCacheState
 
 
 class DenoiserSpeedups:

@@ -17,9 +17,9 @@ import torch
 
 from encoders.cache import EncoderCache
 from pipelines.families.base import DTYPES, ImageFamily
-from pipelines.request import RequestError
+from pipelines.image_request import RequestError
 from pipelines.video import VideoConfig, VideoRequest, VideoTask
-from stages.denoiser import DenoiserCall, Speedups
+from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
 
 

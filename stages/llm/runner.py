@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages.graph_metrics import GraphObserver
-from stages.graph_runner import GraphConfig, GraphRunner
+from stages.cuda_graph_metrics import GraphObserver
+from stages.cuda_graphs import GraphConfig, GraphRunner
 from stages.llm import attention
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan

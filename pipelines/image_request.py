@@ -1,0 +1,115 @@
+"""Image requests as the engine runs them, and the checks that run before any model work."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.events import StageError
+from stages.diffusion.step_cache import StepCacheParams
+
+
+class Task(str, enum.Enum):
+    TEXT_TO_IMAGE = "text-to-image"
+    IMAGE_TO_IMAGE = "image-to-image"
+    INPAINTING = "inpainting"
+
+
+class RequestError(StageError):
+    """Bad input, found before any model work: a 4xx naming the field and the limit."""
+
+    def __init__(self, param: str, message: str, *, code: str = "invalid_value", status: int = 400):
+        super().__init__(code, message, param=param, status=status)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_pixels: int = 1024 * 1024  # width * height of one output image
+    max_n: int = 10
+    max_steps: int = 200
+    max_guidance: float = 50.0
+    max_prompt_chars: int = 4000
+
+    def __post_init__(self):
+        if self.max_pixels < 64 or self.max_n < 1 or self.max_steps < 1:
+            raise ValueError("image limits must allow at least one small image and one step")
+
+
+@dataclass
+class ImageRequest:
+    """What the caller asked for, after parsing; `validate` turns it into what will run."""
+
+    prompt: str
+    task: Task = Task.TEXT_TO_IMAGE
+    negative_prompt: str | None = None
+    width: int | None = None  # None: the model's default size
+    height: int | None = None
+    n: int = 1  # images per prompt
+    num_inference_steps: int | None = None  # None: the family default
+    guidance_scale: float | None = None  # None: the family default
+    seed: int | None = None  # None: a random seed, reported back
+    strength: float = 0.8  # image-to-image / inpainting: how far from the input image
+    image: Any = None  # PIL.Image for image-to-image and inpainting
+    mask: Any = None  # PIL.Image (white = repaint) for inpainting
+    tenant: str = "default"  # enters every cache identity
+    previews: int = 0  # how many partial images to stream (each costs a VAE decode)
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs (max_sequence_length, ...)
+    # Opt-in approximate step caching: {"method": "teacache" | "fbcache" | "interval", "threshold" | "interval"}
+    step_cache: StepCacheParams | dict | None = None
+
+    def validate(self, *, size_factor: int, default_size: int, default_steps: int, default_guidance: float,
+                 limits: ImageLimits) -> "ImageRequest":
+        """Check every field against the limits and fill defaults. Raises RequestError."""
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise RequestError("prompt", "prompt must be a non-empty string")
+        if len(self.prompt) > limits.max_prompt_chars:
+            raise RequestError("prompt", f"prompt is {len(self.prompt)} characters; the limit is {limits.max_prompt_chars}",
+                               code="prompt_too_long")
+        if self.task is not Task.TEXT_TO_IMAGE and self.image is not None and not (self.width or self.height):
+            # Edits default to the input image's size, rounded down to the model's factor.
+            width = max(size_factor, self.image.size[0] // size_factor * size_factor)
+            height = max(size_factor, self.image.size[1] // size_factor * size_factor)
+        else:
+            width = self.width or default_size
+            height = self.height or default_size
+        for name, v in (("size", width), ("size", height)):
+            if v < size_factor or v % size_factor:
+                raise RequestError(name, f"width and height must be positive multiples of {size_factor} for this model; got {width}x{height}",
+                                   code="unsupported_size")
+        if width * height > limits.max_pixels:
+            raise RequestError("size", f"{width}x{height} is {width * height} pixels; the limit is {limits.max_pixels}",
+                               code="unsupported_size")
+        if not 1 <= self.n <= limits.max_n:
+            raise RequestError("n", f"n must be between 1 and {limits.max_n}; got {self.n}")
+        steps = self.num_inference_steps if self.num_inference_steps is not None else default_steps
+        if not 1 <= steps <= limits.max_steps:
+            raise RequestError("num_inference_steps", f"num_inference_steps must be between 1 and {limits.max_steps}; got {steps}")
+        guidance = self.guidance_scale if self.guidance_scale is not None else default_guidance
+        if not 0.0 <= guidance <= limits.max_guidance:
+            raise RequestError("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance}; got {guidance}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError("seed", f"seed must be between 0 and 2**63-1; got {self.seed}")
+        if not 0 <= self.previews <= steps:
+            raise RequestError("partial_images", f"partial_images must be between 0 and the step count {steps}")
+        if self.task is not Task.TEXT_TO_IMAGE:
+            if self.image is None:
+                raise RequestError("image", f"{self.task.value} needs an input image")
+            if not 0.0 < self.strength <= 1.0:
+                raise RequestError("strength", f"strength must be in (0, 1]; got {self.strength}")
+        if self.task is Task.INPAINTING:
+            if self.mask is None:
+                raise RequestError("mask", "inpainting needs a mask image")
+            if self.mask.size != self.image.size:
+                raise RequestError("mask", f"mask is {self.mask.size[0]}x{self.mask.size[1]} but the image is "
+                                           f"{self.image.size[0]}x{self.image.size[1]}; they must match")
+        step_cache = StepCacheParams.parse(self.step_cache)
+        seed = self.seed
+        if seed is None:
+            import secrets
+            seed = secrets.randbits(63)
+        return ImageRequest(
+            prompt=self.prompt, task=self.task, negative_prompt=self.negative_prompt, width=width, height=height,
+            n=self.n, num_inference_steps=steps, guidance_scale=guidance, seed=seed, strength=self.strength,
+            image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews, extra=dict(self.extra),
+            step_cache=step_cache)

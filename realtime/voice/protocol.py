@@ -1,0 +1,404 @@
+"""The OpenAI Realtime wire protocol of voice sessions: client events in, session configuration in its GA
+and beta shapes, and the names of server events in either dialect.
+
+GA names are emitted by default. A session speaks the beta dialect (`response.audio.delta`,
+`response.text.delta`, beta session objects and content types) when the client connected with
+`OpenAI-Beta: realtime=v1` or its first `session.update` has the beta shape (top-level
+`modalities`, `input_audio_format`, `turn_detection`, ... and no `type`). Both shapes are
+accepted in `session.update` and `response.create` either way.
+
+Every problem with a client event raises ProtocolError(code, message, param): the session answers
+with an `error` event naming it (and the client's `event_id`) and carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from realtime.voice.audio_codec import FORMATS, GA_FORMATS, PCM16, AudioFormat
+from realtime.sessions import ProtocolError  # noqa: F401  (raised here; importers take it from this module too)
+
+CLIENT_EVENTS = frozenset({
+    "session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
+    "conversation.item.create", "conversation.item.truncate", "conversation.item.delete",
+    "conversation.item.retrieve", "response.create", "response.cancel", "output_audio_buffer.clear",
+    # extensions (notes/realtime.md §4.1): stock clients never send them
+    "session.resume", "session.heartbeat", "session.event_ack", "playback.ack",
+})
+MAX_INSTRUCTIONS_CHARS = 32_768
+MAX_TEXT_CHARS = 32_768  # one text content part of an item
+BETA_SESSION_KEYS = frozenset({"modalities", "input_audio_format", "output_audio_format", "turn_detection", "voice",
+                               "input_audio_transcription", "max_response_output_tokens",
+                               "input_audio_noise_reduction", "speed", "client_secret"})
+GA_SESSION_KEYS = frozenset({"type", "audio", "output_modalities", "max_output_tokens"})
+IGNORED_SESSION_KEYS = frozenset({"tracing", "include", "truncation", "prompt", "tool_choice", "temperature",
+                                  "noise_reduction", "input_audio_noise_reduction", "client_secret", "expires_at",
+                                  "id", "object", "parallel_tool_calls", "reasoning"})
+BETA_NAMES = {  # GA name -> beta name (the rest are the same in both)
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
+}
+BETA_CONTENT = {"output_audio": "audio", "output_text": "text"}
+
+
+@dataclass(frozen=True)
+class TurnDetection:
+    """`server_vad` as OpenAI defines it (None in SessionConfig: the client commits turns itself)."""
+
+    threshold: float = 0.5  # speech probability a 32 ms window must reach
+    prefix_padding_ms: int = 300  # audio kept before the detected start
+    silence_duration_ms: int = 500  # silence that ends the turn
+    create_response: bool = True  # a response starts when the turn ends
+    interrupt_response: bool = True  # speech during a response cancels it (barge-in)
+    idle_timeout_ms: int | None = None  # a response starts by itself after this much silence past the last one
+
+    def wire(self) -> dict[str, Any]:
+        return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
+                "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
+                "interrupt_response": self.interrupt_response, "idle_timeout_ms": self.idle_timeout_ms}
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """A session's effective configuration (what `session.updated` reports)."""
+
+    voice: str  # a voice of the TTS model
+    instructions: str
+    max_output_tokens: int  # the voice model's cap unless the client asked for fewer
+    output_modalities: tuple[str, ...] = ("audio",)  # ("audio",) (with a transcript) or ("text",)
+    input_format: AudioFormat = PCM16
+    output_format: AudioFormat = PCM16
+    turn_detection: TurnDetection | None = TurnDetection()
+    temperature: float = 0.8
+    speed: float = 1.0
+    transcription_language: str | None = None  # hints for the ASR model
+    transcription_prompt: str | None = None
+    beta: bool = False  # emit beta event names and shapes
+
+
+@dataclass(frozen=True)
+class ResponseParams:
+    """What one `response.create` asks for, merged over the session's configuration."""
+
+    output_modalities: tuple[str, ...]
+    instructions: str
+    max_output_tokens: int
+    temperature: float
+    conversation: str = "auto"  # "none": the response is not added to the conversation
+    metadata: dict[str, str] | None = None
+    input_items: tuple[dict[str, Any], ...] | None = None  # conversation "none": the context to answer instead
+
+
+def parse_client_event(message: str | bytes, max_bytes: int) -> dict[str, Any]:
+    """One text frame -> a JSON object with a known string `type`."""
+    if isinstance(message, bytes):
+        raise ProtocolError("invalid_frame", "binary frames are not part of this protocol; send each event as one "
+                                             "JSON text frame")
+    if len(message) > max_bytes:
+        raise ProtocolError("event_too_large", f"the event is {len(message)} bytes; the limit is {max_bytes}")
+    try:
+        event = json.loads(message)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ProtocolError("invalid_json", f"the event is not valid JSON: {e}") from None
+    if not isinstance(event, dict):
+        raise ProtocolError("invalid_event", "an event must be a JSON object with a 'type'")
+    kind = event.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError("missing_required_parameter", "the event has no 'type' string", param="type")
+    if kind not in CLIENT_EVENTS:
+        raise ProtocolError("invalid_event_type", f"unknown event type {kind!r}; known: {sorted(CLIENT_EVENTS)}",
+                            param="type")
+    event_id = event.get("event_id")
+    if event_id is not None and not isinstance(event_id, str):
+        raise ProtocolError("invalid_value", "event_id must be a string", param="event_id")
+    return event
+
+
+def is_beta_session(session: dict[str, Any]) -> bool:
+    return "type" not in session and any(key in BETA_SESSION_KEYS for key in session)
+
+
+def apply_session_update(config: SessionConfig, session: Any, *, model: str, voices: tuple[str, ...],
+                         max_tokens_cap: int, voice_locked: bool) -> SessionConfig:
+    """`session.update`'s `session` (GA or beta shape) over `config`. Raises ProtocolError naming the field."""
+    if not isinstance(session, dict):
+        raise ProtocolError("invalid_value", "session must be an object", param="session")
+    known = GA_SESSION_KEYS | BETA_SESSION_KEYS | IGNORED_SESSION_KEYS | {"model", "instructions", "tools"}
+    unknown = sorted(set(session) - known)
+    if unknown:
+        raise ProtocolError("unknown_parameter", f"unknown session parameter(s) {unknown}", param=f"session.{unknown[0]}")
+    values: dict[str, Any] = {}
+    if session.get("type", "realtime") != "realtime":
+        raise ProtocolError("unsupported_value", f"session.type {session['type']!r} is not served here; use 'realtime'",
+                            param="session.type")
+    if session.get("model") not in (None, model):
+        raise ProtocolError("invalid_value", f"the session's model is {model!r} (set by the connection URL); it cannot "
+                                             f"change to {session['model']!r}", param="session.model")
+    if session.get("tools"):
+        raise ProtocolError("unsupported_value", "tools (function calling) are not supported by voice models here",
+                            param="session.tools")
+    if "instructions" in session:
+        values["instructions"] = _text(session["instructions"], "session.instructions", MAX_INSTRUCTIONS_CHARS)
+    for key in ("output_modalities", "modalities"):
+        if key in session:
+            values["output_modalities"] = modalities(session[key], f"session.{key}")
+    for key in ("max_output_tokens", "max_response_output_tokens"):
+        if key in session:
+            values["max_output_tokens"] = max_tokens(session[key], f"session.{key}", max_tokens_cap)
+    if "temperature" in session:
+        values["temperature"] = _number(session["temperature"], "session.temperature", 0.0, 2.0)
+    audio = session.get("audio", {})
+    if not isinstance(audio, dict):
+        raise ProtocolError("invalid_value", "session.audio must be an object", param="session.audio")
+    inp, out = audio.get("input", {}), audio.get("output", {})
+    for part, where in ((inp, "session.audio.input"), (out, "session.audio.output")):
+        if not isinstance(part, dict):
+            raise ProtocolError("invalid_value", f"{where} must be an object", param=where)
+    if "format" in inp:
+        values["input_format"] = audio_format(inp["format"], "session.audio.input.format")
+    if "input_audio_format" in session:
+        values["input_format"] = audio_format(session["input_audio_format"], "session.input_audio_format")
+    if "format" in out:
+        values["output_format"] = audio_format(out["format"], "session.audio.output.format")
+    if "output_audio_format" in session:
+        values["output_format"] = audio_format(session["output_audio_format"], "session.output_audio_format")
+    for value, where in ((inp.get("turn_detection", ...), "session.audio.input.turn_detection"),
+                         (session.get("turn_detection", ...), "session.turn_detection")):
+        if value is not ...:
+            values["turn_detection"] = turn_detection(value, config.turn_detection, where)
+    for value, where in ((inp.get("transcription", ...), "session.audio.input.transcription"),
+                         (session.get("input_audio_transcription", ...), "session.input_audio_transcription")):
+        if isinstance(value, dict):
+            values["transcription_language"] = _optional_text(value.get("language"), f"{where}.language", 16)
+            values["transcription_prompt"] = _optional_text(value.get("prompt"), f"{where}.prompt", 1024)
+        elif value is not ... and value is not None:
+            raise ProtocolError("invalid_value", f"{where} must be an object or null", param=where)
+    for value, where in ((out.get("voice", ...), "session.audio.output.voice"),
+                         (session.get("voice", ...), "session.voice")):
+        if value is not ...:
+            name = value.get("id") if isinstance(value, dict) else value
+            if name not in voices:
+                raise ProtocolError("invalid_value", f"voice {name!r} is not a voice of this model; its voices: "
+                                                     f"{list(voices)}", param=where)
+            if voice_locked and name != config.voice:
+                raise ProtocolError("invalid_value", "the voice cannot change once the session has produced audio",
+                                    param=where)
+            values["voice"] = name
+    for value, where in ((out.get("speed", ...), "session.audio.output.speed"),
+                         (session.get("speed", ...), "session.speed")):
+        if value is not ...:
+            values["speed"] = _number(value, where, 0.25, 1.5)
+    return replace(config, **values)
+
+
+def parse_response_params(response: Any, config: SessionConfig, max_tokens_cap: int) -> ResponseParams:
+    """`response.create`'s optional `response` object over the session's configuration."""
+    if response is None:
+        response = {}
+    if not isinstance(response, dict):
+        raise ProtocolError("invalid_value", "response must be an object", param="response")
+    allowed = {"output_modalities", "modalities", "instructions", "max_output_tokens", "max_response_output_tokens",
+               "conversation", "metadata", "input", "temperature", "tool_choice", "tools", "voice", "audio",
+               "output_audio_format", "prompt"}
+    unknown = sorted(set(response) - allowed)
+    if unknown:
+        raise ProtocolError("unknown_parameter", f"unknown response parameter(s) {unknown}",
+                            param=f"response.{unknown[0]}")
+    if response.get("tools"):
+        raise ProtocolError("unsupported_value", "tools (function calling) are not supported by voice models here",
+                            param="response.tools")
+    for key in ("voice", "audio", "output_audio_format"):
+        if response.get(key):
+            raise ProtocolError("unsupported_value", f"response.{key}: set the voice and audio format with "
+                                                     "session.update", param=f"response.{key}")
+    mods = config.output_modalities
+    for key in ("output_modalities", "modalities"):
+        if key in response:
+            mods = modalities(response[key], f"response.{key}")
+    tokens = config.max_output_tokens
+    for key in ("max_output_tokens", "max_response_output_tokens"):
+        if key in response:
+            tokens = max_tokens(response[key], f"response.{key}", max_tokens_cap)
+    conversation = response.get("conversation", "auto")
+    if conversation not in ("auto", "none"):
+        raise ProtocolError("invalid_value", "response.conversation must be 'auto' or 'none'",
+                            param="response.conversation")
+    metadata = response.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items())):
+        raise ProtocolError("invalid_value", "response.metadata must map at most 16 keys (<= 64 characters) to strings "
+                                             "(<= 512 characters)", param="response.metadata")
+    items = response.get("input")
+    if items is not None:
+        if not isinstance(items, list) or len(items) > 256:
+            raise ProtocolError("invalid_value", "response.input must be a list of at most 256 items",
+                                param="response.input")
+        items = tuple(parse_item(item, f"response.input[{i}]", allow_audio=False) for i, item in enumerate(items))
+    instructions = config.instructions
+    if "instructions" in response:
+        instructions = _text(response["instructions"], "response.instructions", MAX_INSTRUCTIONS_CHARS)
+    temperature = config.temperature
+    if "temperature" in response:
+        temperature = _number(response["temperature"], "response.temperature", 0.0, 2.0)
+    return ResponseParams(mods, instructions, tokens, temperature, conversation, metadata, items)
+
+
+def parse_item(item: Any, where: str, *, allow_audio: bool = True) -> dict[str, Any]:
+    """A message item of `conversation.item.create` -> {"id", "role", "text" | "audio"}. Only messages are served:
+    a role (system, user, assistant) and one content part of text (or, from a user, base64 audio)."""
+    if not isinstance(item, dict):
+        raise ProtocolError("invalid_value", f"{where} must be an object", param=where)
+    if item.get("type", "message") != "message":
+        raise ProtocolError("unsupported_value", f"{where}.type {item.get('type')!r} is not supported; only 'message' "
+                                                 "items (no function calls)", param=f"{where}.type")
+    role = item.get("role")
+    if role not in ("system", "user", "assistant"):
+        raise ProtocolError("invalid_value", f"{where}.role must be 'system', 'user' or 'assistant'; got {role!r}",
+                            param=f"{where}.role")
+    item_id = item.get("id")
+    if item_id is not None and (not isinstance(item_id, str) or not 1 <= len(item_id) <= 64):
+        raise ProtocolError("invalid_value", f"{where}.id must be a string of 1..64 characters", param=f"{where}.id")
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise ProtocolError("invalid_value", f"{where}.content must be a non-empty list of content parts",
+                            param=f"{where}.content")
+    texts, audio = [], None
+    for i, part in enumerate(content):
+        p = f"{where}.content[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "text", "output_text"):
+            texts.append(_text(part.get("text"), f"{p}.text", MAX_TEXT_CHARS))
+        elif kind in ("audio", "output_audio") or (kind == "input_audio" and part.get("audio") is None):
+            texts.append(_text(part.get("transcript") or "", f"{p}.transcript", MAX_TEXT_CHARS))
+        elif kind == "input_audio" and allow_audio and role == "user":
+            if not isinstance(part.get("audio"), str) or audio is not None:
+                raise ProtocolError("invalid_value", f"{p}.audio must be base64 audio (one audio part per item)",
+                                    param=f"{p}.audio")
+            audio = part["audio"]
+        else:
+            raise ProtocolError("invalid_value", f"{p}.type {kind!r} is not a content type of a {role} message here",
+                                param=f"{p}.type")
+    return {"id": item_id, "role": role, "text": " ".join(t for t in texts if t), "audio": audio}
+
+
+def modalities(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not set(value) <= {"text", "audio"}:
+        raise ProtocolError("invalid_value", f"{where} must be ['audio'] or ['text'] (audio comes with its transcript)",
+                            param=where)
+    return ("audio",) if "audio" in value else ("text",)
+
+
+def max_tokens(value: Any, where: str, cap: int) -> int:
+    if value == "inf":
+        return cap
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise ProtocolError("invalid_value", f"{where} must be an integer in 1..4096 or 'inf'", param=where)
+    return min(value, cap)
+
+
+def audio_format(value: Any, where: str) -> AudioFormat:
+    if isinstance(value, str) and value in FORMATS:
+        return FORMATS[value]
+    if isinstance(value, dict) and value.get("type") in GA_FORMATS:
+        fmt = GA_FORMATS[value["type"]]
+        if value.get("rate", fmt.rate) != fmt.rate:
+            raise ProtocolError("invalid_value", f"{where}.rate: {fmt.ga_type} is {fmt.rate} Hz", param=f"{where}.rate")
+        return fmt
+    raise ProtocolError("invalid_value", f"{where} must be one of {list(FORMATS)} or {{'type': one of "
+                                         f"{list(GA_FORMATS)}}}", param=where)
+
+
+def turn_detection(value: Any, current: TurnDetection | None, where: str) -> TurnDetection | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid_value", f"{where} must be an object or null", param=where)
+    kind = value.get("type", "server_vad")
+    if kind != "server_vad":
+        raise ProtocolError("unsupported_value", f"{where}.type {kind!r} is not supported; use 'server_vad' or null "
+                                                 "(the client commits turns)", param=f"{where}.type")
+    unknown = sorted(set(value) - {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                                   "interrupt_response", "idle_timeout_ms"})
+    if unknown:
+        raise ProtocolError("unknown_parameter", f"unknown {where} parameter(s) {unknown}", param=f"{where}.{unknown[0]}")
+    base = current or TurnDetection()
+    values: dict[str, Any] = {}
+    if "threshold" in value:
+        values["threshold"] = _number(value["threshold"], f"{where}.threshold", 0.0, 1.0)
+    for key, high in (("prefix_padding_ms", 5000), ("silence_duration_ms", 10000)):
+        if key in value:
+            values[key] = _integer(value[key], f"{where}.{key}", 0, high)
+    for key in ("create_response", "interrupt_response"):
+        if key in value:
+            if not isinstance(value[key], bool):
+                raise ProtocolError("invalid_value", f"{where}.{key} must be true or false", param=f"{where}.{key}")
+            values[key] = value[key]
+    if "idle_timeout_ms" in value:
+        v = value["idle_timeout_ms"]
+        values["idle_timeout_ms"] = None if v is None else _integer(v, f"{where}.idle_timeout_ms", 5000, 30000)
+    return replace(base, **values)
+
+
+def session_object(config: SessionConfig, *, session_id: str, model: str) -> dict[str, Any]:
+    """The effective configuration, as `session.created` / `session.updated` carry it (GA or beta shape)."""
+    td = config.turn_detection.wire() if config.turn_detection is not None else None
+    transcription = {"model": model, "language": config.transcription_language, "prompt": config.transcription_prompt}
+    max_tokens_value = config.max_output_tokens
+    if config.beta:
+        return {"id": session_id, "object": "realtime.session", "model": model,
+                "modalities": list(config.output_modalities) + (["text"] if "audio" in config.output_modalities else []),
+                "instructions": config.instructions, "voice": config.voice,
+                "input_audio_format": config.input_format.name, "output_audio_format": config.output_format.name,
+                "input_audio_transcription": transcription, "turn_detection": td, "tools": [], "tool_choice": "auto",
+                "temperature": config.temperature, "max_response_output_tokens": max_tokens_value,
+                "speed": config.speed}
+    return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
+            "output_modalities": list(config.output_modalities), "instructions": config.instructions,
+            "audio": {"input": {"format": config.input_format.ga(), "transcription": transcription,
+                                "turn_detection": td, "noise_reduction": None},
+                      "output": {"format": config.output_format.ga(), "voice": config.voice, "speed": config.speed}},
+            "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens_value}
+
+
+def event_name(name: str, beta: bool) -> str:
+    return BETA_NAMES.get(name, name) if beta else name
+
+
+def content_type(kind: str, beta: bool) -> str:
+    return BETA_CONTENT.get(kind, kind) if beta else kind
+
+
+# -- field checks -------------------------------------------------------------------------------------------
+
+
+def _text(value: Any, where: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError("invalid_value", f"{where} must be a string", param=where)
+    if len(value) > limit:
+        raise ProtocolError("string_above_max_length", f"{where} is {len(value)} characters; the limit is {limit}",
+                            param=where)
+    return value
+
+
+def _optional_text(value: Any, where: str, limit: int) -> str | None:
+    return None if value is None else _text(value, where, limit)
+
+
+def _number(value: Any, where: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ProtocolError("invalid_value", f"{where} must be a number in [{low}, {high}]; got {value!r}", param=where)
+    return float(value)
+
+
+def _integer(value: Any, where: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError("invalid_value", f"{where} must be an integer in [{low}, {high}]; got {value!r}", param=where)
+    return value

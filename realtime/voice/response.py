@@ -1,0 +1,326 @@
+"""One response of a voice session: the cascade LLM -> phrases -> TTS -> paced audio deltas.
+
+Three producers run per response, each fenced by the session's epoch (book ch.21): the LLM loop
+(text deltas; phrases to the TTS), the TTS loop (audio of each phrase, in order) and the sender
+(audio cut into `delta_ms` pieces and paced so the client holds at most `max_lead_ms` unplayed).
+Each checks `current()` before it emits; the session's audio sink checks the epoch again under the
+outbox lock, so no audio of an old epoch leaves after the bump. On a bump the session cancels the
+engine requests (LLM, TTS), the TTS and sender tasks, and the queues die with this object: the
+next response gets fresh ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import unicodedata
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pipelines.chat import ChatRequest
+from pipelines.phrases import PhraseLimits, PhraseSplitter
+from pipelines.image_request import RequestError
+from pipelines.tts import SpeechRequest
+from realtime.voice.audio_codec import AudioFormat
+from realtime.voice.items import Item, Phrase
+from realtime.voice.protocol import ResponseParams, event_name
+from stages.events import EventKind, StageError
+from stages.llm.params import SamplingParams
+
+if TYPE_CHECKING:
+    from realtime.voice.session import VoiceSession
+
+log = logging.getLogger(__name__)
+
+# The first phrase is short, so the first audio comes soon; later ones may be whole sentences.
+VOICE_PHRASES = PhraseLimits(max_chars=200, first_max_chars=60)
+
+
+class StaleResponse(Exception):
+    """The response's epoch has passed: stop quietly."""
+
+
+@dataclass
+class Timings:
+    """Clock readings (session clock, seconds) along one response; None until reached."""
+
+    start: float  # the turn's end: speech_stopped, commit, or response.create
+    asr_final: float | None = None  # every user transcript of the context is final
+    llm_submit: float | None = None
+    llm_first: float | None = None  # first text from the LLM
+    tts_submit: float | None = None  # first phrase handed to the TTS
+    tts_first: float | None = None  # its first audio
+    first_audio: float | None = None  # first audio delta sent
+    last_audio: float | None = None  # last audio delta sent
+    interrupt: float | None = None  # barge-in (or cancel) seen
+    silent: float | None = None  # by then no audio of this response could be sent any more
+
+    def report(self) -> dict[str, float | None]:
+        def ms(a, b):
+            return None if a is None or b is None else round((b - a) * 1000, 1)
+
+        return {"ttfa_ms": ms(self.start, self.first_audio), "asr_final_ms": ms(self.start, self.asr_final),
+                "llm_ttft_ms": ms(self.llm_submit, self.llm_first),
+                "tts_first_chunk_ms": ms(self.tts_submit, self.tts_first),
+                "interrupt_to_silence_ms": ms(self.interrupt, self.silent)}
+
+
+@dataclass
+class Response:
+    id: str
+    epoch: int  # the session epoch it belongs to
+    params: ResponseParams
+    item: Item  # the assistant item it writes
+    voice: str
+    speed: float
+    output_format: AudioFormat  # of the audio it sends
+    timings: Timings
+    handles: list = field(default_factory=list)  # engine requests to cancel on a bump
+    tasks: list[asyncio.Task] = field(default_factory=list)  # TTS and sender tasks (no engine calls in flight)
+    task: asyncio.Task | None = None  # the runner
+    item_opened: bool = False  # output_item.added has gone out (the item is in the conversation)
+    stopped: bool = False
+    finished: bool = False  # its response.done has been (or is being) emitted
+    generated_ms: float = 0.0  # audio laid out on the item so far (sent or about to be)
+    usage: dict[str, int] = field(default_factory=dict)
+    late_deltas: int = 0  # audio deltas sent after the interruption was seen (must stay 0)
+
+    @property
+    def output_rate(self) -> int:
+        return self.output_format.rate
+
+    @property
+    def audio(self) -> bool:
+        return "audio" in self.params.output_modalities
+
+    def stop(self) -> None:
+        """Cancel what runs for this response (the epoch has been bumped already)."""
+        self.stopped = True
+        for handle in self.handles:
+            handle.cancel()
+        for task in self.tasks:
+            task.cancel()
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """A piece of response audio on its way to the client, at the response's output rate."""
+
+    response_id: str
+    item_id: str
+    samples: np.ndarray  # float32 [n]
+
+
+class ResponseRunner:
+    def __init__(self, session: VoiceSession, response: Response):
+        self.s = session
+        self.r = response
+
+    def current(self) -> bool:
+        return self.r.epoch == self.s.epoch and not self.r.stopped
+
+    async def run(self) -> None:
+        s, r = self.s, self.r
+        status, reason, error = "completed", None, None
+        try:
+            messages = await s.context_for(r)  # waits for the final transcripts: the LLM starts on stable text
+            if not self.current():
+                return
+            r.timings.asr_final = s.clock()
+            await s.open_output_item(r)
+            finish = await self._generate(messages)
+            if finish == "length":
+                status, reason = "incomplete", "max_output_tokens"
+        except StaleResponse:
+            return
+        except asyncio.CancelledError:
+            if self.current():
+                raise
+            return
+        except StageError as exc:
+            status, error = "failed", {"type": "server_error" if exc.status >= 500 else "invalid_request_error",
+                                       "code": exc.code, "message": exc.message}
+        except Exception as exc:  # the response fails; the session goes on
+            log.exception("voice response %s failed", r.id)
+            status, error = "failed", {"type": "server_error", "code": "internal_error", "message": str(exc)}
+        if self.current():
+            await s.complete_response(r, status, reason, error)
+
+    async def _generate(self, messages: list[dict[str, str]]) -> str | None:
+        r = self.r
+        phrases: asyncio.Queue | None = asyncio.Queue() if r.audio else None
+        if r.audio:
+            audio: asyncio.Queue = asyncio.Queue()
+            r.tasks = [asyncio.create_task(self._tts(phrases, audio), name=f"tts-{r.id}"),
+                       asyncio.create_task(self._send(audio), name=f"send-{r.id}")]
+        try:
+            finish = await self._llm(messages, phrases)
+        except BaseException:
+            for task in r.tasks:
+                task.cancel()
+            raise
+        results = await asyncio.gather(*r.tasks, return_exceptions=True)
+        if not self.current():
+            raise StaleResponse
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return finish
+
+    async def _submit(self, fn, *args):
+        """An engine call (tokenizing is off the event loop); its handle is cancelled with the response."""
+        submitted = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            handle = await asyncio.shield(submitted)
+        except asyncio.CancelledError:  # the session is closing: the request must not run on unseen
+            submitted.add_done_callback(lambda f: f.exception() is None and f.result().cancel())
+            raise
+        if not self.current():
+            handle.cancel()
+            raise StaleResponse
+        self.r.handles.append(handle)
+        return handle
+
+    async def _llm(self, messages: list[dict[str, str]], phrases: asyncio.Queue | None) -> str | None:
+        s, r = self.s, self.r
+        params = SamplingParams(temperature=r.params.temperature, max_tokens=r.params.max_output_tokens,
+                                seed=s.spec.seed)
+        r.timings.llm_submit = s.clock()
+        handle = await self._submit_chat(messages, params)
+        splitter, finish = PhraseSplitter(VOICE_PHRASES), None
+        name = "response.output_audio_transcript.delta" if r.audio else "response.output_text.delta"
+        async for event in handle:
+            if not self.current():
+                raise StaleResponse
+            if event.kind is EventKind.DELTA:
+                text, finish = event.data.get("text", ""), event.data.get("finish_reason") or finish
+                if not text:
+                    continue
+                if r.timings.llm_first is None:
+                    r.timings.llm_first = s.clock()
+                r.item.text += text
+                await s.emit({"type": event_name(name, s.config.beta), "response_id": r.id, "item_id": r.item.id,
+                              "output_index": 0, "content_index": 0, "delta": text}, guard=self.current)
+                if phrases is not None:
+                    for phrase in splitter.feed(text):
+                        await self._speak(phrase, phrases)
+            elif event.kind is EventKind.ERROR:
+                d = event.data
+                raise StageError(d.get("code", "internal_error"), d.get("message", ""), status=d.get("status", 500))
+            elif event.kind is EventKind.FINAL:
+                r.usage = dict(event.data["outputs"].get("usage") or {})
+                choices = event.data["outputs"].get("choices") or [{}]
+                finish = choices[0].get("finish_reason") or finish
+        if phrases is not None:
+            for phrase in splitter.flush():
+                await self._speak(phrase, phrases)
+            await phrases.put(None)
+        return finish
+
+    async def _submit_chat(self, messages: list[dict[str, str]], params: SamplingParams):
+        """Submit the chat; when the history outgrows the model's context, the oldest turns are left out."""
+        s = self.s
+        while True:
+            request = ChatRequest(messages=messages, params=params, tenant=s.tenant)
+            try:
+                return await self._submit(s.engine.submit_chat, s.spec.chat, request)
+            except RequestError as exc:
+                if exc.code != "context_length_exceeded" or len(messages) <= 2:
+                    raise
+                messages = messages[:1] + messages[2:]
+
+    async def _speak(self, phrase: str, phrases: asyncio.Queue) -> None:
+        s, r = self.s, self.r
+        text = speakable(phrase)
+        if not text:
+            return
+        request = SpeechRequest(text, voice=r.voice, speed=r.speed, sample_rate=r.output_rate, tenant=s.tenant)
+        if r.timings.tts_submit is None:
+            r.timings.tts_submit = s.clock()
+        try:
+            handle = await self._submit(s.engine.submit_speech, s.spec.tts, request)
+        except RequestError as exc:
+            if exc.code == "unspeakable_input":  # the TTS vocabulary knows none of its characters
+                return
+            raise
+        await phrases.put((phrase, handle))
+
+    async def _tts(self, phrases: asyncio.Queue, audio: asyncio.Queue) -> None:
+        """Each phrase's audio, in order (the TTS pool may synthesise several at once)."""
+        r = self.r
+        try:
+            while (entry := await phrases.get()) is not None:
+                phrase, handle = entry
+                async for event in handle:
+                    if event.kind is EventKind.DELTA:
+                        if r.timings.tts_first is None:
+                            r.timings.tts_first = self.s.clock()
+                        await audio.put((phrase, np.asarray(event.data["audio"], np.float32)))
+                        phrase = ""  # a phrase the TTS split further: its text goes with its first piece
+                    elif event.kind is EventKind.ERROR:
+                        d = event.data
+                        raise StageError(d.get("code", "internal_error"), d.get("message", ""),
+                                         status=d.get("status", 500))
+        finally:
+            audio.put_nowait(None)  # the sender ends too (after what it has), whatever happened here
+
+    async def _send(self, audio: asyncio.Queue) -> None:
+        """Cut into delta_ms pieces; wait while the client holds max_lead_ms unplayed; hand to the sink."""
+        s, r = self.s, self.r
+        piece = max(1, r.output_rate * s.limits.delta_ms // 1000)
+        while (entry := await audio.get()) is not None:
+            text, samples = entry
+            duration = len(samples) * 1000 / r.output_rate
+            if text or not r.item.phrases:
+                r.item.phrases.append(Phrase(text, r.generated_ms, duration))
+            else:
+                r.item.phrases[-1].duration_ms += duration
+            r.generated_ms += duration
+            for start in range(0, len(samples), piece):
+                chunk = samples[start:start + piece]
+                await self._pace(len(chunk) * 1000 / r.output_rate)
+                if not self.current():
+                    raise StaleResponse
+                await s.sink_audio(r.epoch, OutputChunk(r.id, r.item.id, chunk))
+
+    async def _pace(self, chunk_ms: float) -> None:
+        s = self.s
+        while True:
+            over = s.playback.lead_ms(s.clock()) + chunk_ms - s.limits.max_lead_ms
+            if over <= 0:
+                return
+            await asyncio.sleep(over / 1000)
+
+
+def speakable(text: str) -> str:
+    """The text without control or unassigned characters (a language model may emit any)."""
+    kept = "".join(ch if unicodedata.category(ch)[0] not in "CZ" or ch == " " else " " for ch in text
+                   if ch != "\ufffd")
+    return " ".join(kept.split())
+
+
+def response_object(r: Response, *, status: str, reason: str | None = None, error: dict[str, Any] | None = None,
+                    beta: bool, output_format, output: list | None = None) -> dict[str, Any]:
+    """The response as response.created / response.done carry it."""
+    usage = None
+    if r.usage:
+        prompt, completion = r.usage.get("prompt_tokens", 0), r.usage.get("completion_tokens", 0)
+        usage = {"total_tokens": prompt + completion, "input_tokens": prompt, "output_tokens": completion,
+                 "input_token_details": {"text_tokens": prompt, "audio_tokens": 0, "cached_tokens": 0},
+                 "output_token_details": {"text_tokens": completion, "audio_tokens": 0}}
+    details = None
+    if status != "in_progress" and status != "completed":
+        details = {"type": status, "reason": reason, "error": error}
+    body: dict[str, Any] = {"object": "realtime.response", "id": r.id, "status": status, "status_details": details,
+                            "output": output or [], "usage": usage, "metadata": r.params.metadata,
+                            "conversation_id": "conv_default" if r.params.conversation == "auto" else None,
+                            "max_output_tokens": r.params.max_output_tokens, "epoch": r.epoch}
+    if beta:
+        body |= {"modalities": list(r.params.output_modalities) + (["text"] if r.audio else []),
+                 "voice": r.voice, "output_audio_format": output_format.name}
+    else:
+        body |= {"output_modalities": list(r.params.output_modalities),
+                 "audio": {"output": {"format": output_format.ga(), "voice": r.voice}}}
+    return body

@@ -1,0 +1,143 @@
+"""The response side of a voice session: start a response, gate it on final transcripts, finish it, or cut
+it short at the epoch fence and truncate the assistant item to what was heard.
+
+A mixin of VoiceSession (realtime/voice/session.py), split off to keep each file readable; it uses the session's
+state (epoch, response, conversation, playback clock, outbox) and owns none of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from realtime.voice.items import Item, new_id
+from realtime.voice.protocol import ResponseParams, event_name
+from realtime.voice.response import Response, ResponseRunner, Timings, response_object
+
+
+class ResponseControl:
+    def _default_params(self) -> ResponseParams:
+        c = self.config
+        return ResponseParams(c.output_modalities, c.instructions, c.max_output_tokens, c.temperature)
+
+    async def _start_response(self, params: ResponseParams, start: float) -> None:
+        self.disarm_idle()
+        c = self.config
+        audio = "audio" in params.output_modalities
+        item = Item(new_id("item"), "assistant", "audio" if audio else "text", status="in_progress")
+        r = Response(new_id("resp"), self.epoch, params, item, c.voice, c.speed, c.output_format, Timings(start))
+        self.response = r
+        self._voice_used = self._voice_used or audio
+        await self.emit({"type": "response.created", "response": self._response_body(r, "in_progress")})
+        r.task = asyncio.create_task(ResponseRunner(self, r).run(), name=f"response-{r.id}")
+
+    async def context_for(self, r: Response) -> list[dict[str, str]]:
+        """The chat messages of a response, once every user transcript in them is final (the LLM gate)."""
+        if r.params.input_items is not None:
+            turns = [(spec["role"], spec["text"]) for spec in r.params.input_items]
+        else:
+            items = list(self.conversation)
+            for item in items:
+                if item.transcript is not None and not item.transcript.done():
+                    await asyncio.shield(item.transcript)
+            turns = [(item.role, item.history_text) for item in items]
+        return [{"role": "system", "content": r.params.instructions}] + \
+            [{"role": role, "content": text} for role, text in turns if text.strip()]
+
+    async def open_output_item(self, r: Response) -> None:
+        """The assistant item enters the conversation and the client hears of it (after the LLM gate)."""
+        guard = lambda: r.epoch == self.epoch and not r.stopped  # noqa: E731
+        previous = self.conversation.add(r.item) if r.params.conversation == "auto" else None
+        r.item_opened = True
+        wire = r.item.wire(self.config.beta)
+        await self.emit({"type": "response.output_item.added", "response_id": r.id, "output_index": 0, "item": wire},
+                        guard=guard)
+        if r.params.conversation == "auto":
+            await self.emit({"type": "conversation.item.created", "previous_item_id": previous, "item": wire},
+                            guard=guard)
+        part = {"type": "audio", "transcript": ""} if r.audio else {"type": "text", "text": ""}
+        await self.emit({"type": "response.content_part.added", "response_id": r.id, "item_id": r.item.id,
+                         "output_index": 0, "content_index": 0, "part": part}, guard=guard)
+
+    async def complete_response(self, r: Response, status: str, reason: str | None, error: dict | None) -> None:
+        """The runner finished (completed, incomplete or failed): the done events, metrics and rate limits."""
+        self.response, r.finished = None, True
+        r.item.status = "completed" if status == "completed" else "incomplete"
+        beta, ids = self.config.beta, {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
+        if r.item_opened:
+            if r.audio:
+                await self.emit({"type": event_name("response.output_audio.done", beta), **ids})
+                await self.emit({"type": event_name("response.output_audio_transcript.done", beta), **ids,
+                                 "transcript": r.item.text})
+                part = {"type": "audio", "transcript": r.item.text}
+            else:
+                await self.emit({"type": event_name("response.output_text.done", beta), **ids, "text": r.item.text})
+                part = {"type": "text", "text": r.item.text}
+            await self.emit({"type": "response.content_part.done", **ids, "part": part})
+            await self.emit({"type": "response.output_item.done", "response_id": r.id, "output_index": 0,
+                             "item": r.item.wire(beta)})
+        await self._done_events(r, status, reason, error)
+        if status in ("completed", "incomplete"):
+            self.arm_idle()
+
+    def _bump(self, r: Response, now: float) -> None:
+        """The fence goes up first; everything else follows from producers seeing it."""
+        self.epoch += 1
+        r.timings.interrupt = now
+        r.stop()
+        self.response, r.finished = None, True
+
+    async def _end_cancelled(self, r: Response, reason: str, now: float, truncate: bool = True) -> None:
+        if r.timings.silent is None:
+            r.timings.silent = self.clock()
+        r.item.status = "incomplete"
+        heard = self._heard_ms(r.item, now) if r.audio else None
+        self.playback.stop(now)
+        if heard is not None and truncate:
+            r.item.heard_ms = heard
+        if r.item_opened:
+            await self.emit({"type": "response.output_item.done", "response_id": r.id, "output_index": 0,
+                             "item": r.item.wire(self.config.beta)})
+        await self._done_events(r, "cancelled", reason, None)
+        if heard is not None and truncate and r.item_opened and r.params.conversation == "auto":
+            await self.emit({"type": "conversation.item.truncated", "item_id": r.item.id, "content_index": 0,
+                             "audio_end_ms": int(heard)})
+
+    async def _truncate_heard(self, item: Item, now: float) -> None:
+        """New speech while a finished response still plays: the rest of it was not heard."""
+        heard = self._heard_ms(item, now)
+        self.playback.stop(now)
+        item.heard_ms = heard
+        await self.emit({"type": "conversation.item.truncated", "item_id": item.id, "content_index": 0,
+                         "audio_end_ms": int(heard)})
+
+    def _playing_item(self, now: float) -> Item | None:
+        """The assistant item the client is still playing (by the playback clock), if any."""
+        return next((i for i in reversed(list(self.conversation)) if i.role == "assistant"
+                     and self.playback.playing(i.id, now)), None)
+
+    def _heard_ms(self, item: Item, now: float) -> float:
+        """playback.ack (extrapolated since it came), else the playback clock; never past the audio sent."""
+        ack = self._acks.get(item.id)
+        heard = ack[0] + max(0.0, now - ack[1]) * 1000 if ack else self.playback.played_ms(item.id, now)
+        return max(0.0, min(heard, item.audio_ms))
+
+    async def _done_events(self, r: Response, status: str, reason: str | None, error: dict | None) -> None:
+        output = [r.item.wire(self.config.beta)] if r.item_opened else []
+        await self.emit({"type": "response.done", "response": self._response_body(r, status, reason, error, output)})
+        report = r.timings.report()
+        if status != "cancelled" or r.timings.interrupt is None:
+            report["interrupt_to_silence_ms"] = None
+        await self.emit({"type": "response.metrics", "response_id": r.id, "status": status, "epoch": r.epoch,
+                         "audio_sent_ms": round(r.item.audio_ms, 1), **report})
+        if r.timings.first_audio is not None:
+            self.metrics.rt_voice_ttfa.labels(model=self.spec.name).observe(r.timings.first_audio - r.timings.start)
+        if status == "cancelled" and r.timings.interrupt is not None:
+            self.metrics.rt_voice_interrupt.labels(model=self.spec.name).observe(r.timings.silent - r.timings.interrupt)
+        await self.emit({"type": "rate_limits.updated", "rate_limits": [
+            {"name": "tokens", "limit": self.spec.max_output_tokens, "remaining": self.spec.max_output_tokens,
+             "reset_seconds": 0.0}]})
+
+    def _response_body(self, r: Response, status: str, reason=None, error=None, output=None) -> dict[str, Any]:
+        return response_object(r, status=status, reason=reason, error=error, beta=self.config.beta,
+                               output_format=r.output_format, output=output)

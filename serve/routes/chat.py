@@ -1,0 +1,74 @@
+"""/v1/chat/completions and /v1/completions: parse -> engine.submit_chat -> encode the reply.
+
+Errors are mapped in serve/errors.py. A client that goes away cancels its request: the JSON path
+watches for the disconnect while it waits (serve.responses.result_or_cancel), the SSE path cancels
+when Starlette cancels or closes its generator; the llm stage drops the request at its next step.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pipelines.chat import ChatRequest
+from serve.auth import tenant_of
+from serve.models import resolve_model
+from serve.responses import event_stream, result_or_cancel
+from serve.schemas_chat import ChatCompletionRequest, ChatReply, CompletionReply, CompletionRequest, TextReply
+from stages.request_state import RequestHandle
+
+router = APIRouter()
+CHAT_TASK = "chat"  # ModelInfo.tasks of a causal LM
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
+    engine = request.app.state.engine
+    model = resolve_chat_model(engine, body.model)
+    chat = engine.chat_model(model)
+    params = body.sampling_params(chat.runner.vocab_size)
+    reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model, chat.tokenizer, params, include_usage=body.include_usage)
+    # Image and video parts are fetched and decoded (media workers) before the request is admitted.
+    handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant),
+                                       request_id=reply.id)
+    return await respond(request, handle, reply, stream=body.stream)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
+    engine = request.app.state.engine
+    prompt = body.prompt_fields()  # one prompt, or a list: they run together, choice k * n + j is prompt k's
+    model = resolve_chat_model(engine, body.model)
+    chat = engine.chat_model(model)
+    params = body.sampling_params(chat.runner.vocab_size)
+    reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", model, chat.tokenizer, params,
+                            include_usage=body.include_usage)
+    handle = engine.submit_chat(model, ChatRequest(**prompt, params=params, tenant=tenant), request_id=reply.id)
+    return await respond(request, handle, reply, stream=body.stream)
+
+
+def resolve_chat_model(engine, name: str | None) -> str:
+    """The named model (404 if unknown, 400 if it does not chat), or the default chat model (serve/models.py)."""
+    return resolve_model(engine, name, CHAT_TASK, does="chat", kind="chat model")
+
+
+async def respond(request: Request, handle: RequestHandle, reply: TextReply, *, stream: bool):
+    """SSE chunks when `stream`, else one JSON object."""
+    headers = {"x-request-id": handle.request_id}
+    if stream:
+        return StreamingResponse(_sse(handle, reply), media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    outputs = await result_or_cancel(request, handle)
+    return JSONResponse(reply.body(outputs), headers=headers)
+
+
+def _sse(handle: RequestHandle, reply: TextReply) -> AsyncIterator[str]:
+    """OpenAI's chunk stream: opening chunks, one per text delta, finish chunks, usage; then `data: [DONE]`."""
+    def delta(data: dict[str, Any]) -> list[dict[str, Any]]:
+        chunk = reply.delta(data)
+        return [] if chunk is None else [chunk]
+
+    return event_stream(handle, delta, reply.closing, reply.opening())

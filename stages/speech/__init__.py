@@ -1,0 +1,1 @@
+"""The speech stages: asr (Whisper windows, decoding, transcripts) and tts, with their audio DSP."""
