@@ -104,10 +104,10 @@ def diffusers_latency(checkpoint: str, setup: dict, args, compiled: bool) -> tup
 def mmserve_engine(checkpoint: str, setup: dict, args, variant: str):
     from pipelines.config import EngineConfig, ModelSpec
     from pipelines.engine import Engine
-    from stages.diffusion.compile import CompileConfig
     from stages.cuda_graphs import GraphConfig
-    from stages.pool import PoolConfig
+    from stages.diffusion.compile import CompileConfig
     from stages.diffusion.step_cache import StepCacheConfig
+    from stages.pool import PoolConfig
 
     rows = args.concurrency * (2 if setup["cfg"] else 1)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < rows) + (rows,)

@@ -61,8 +61,8 @@ def bench(family: str, checkpoint: str, args) -> None:
     from pipelines.config import EngineConfig, ModelSpec
     from pipelines.engine import Engine
     from pipelines.image_request import ImageLimits
-    from stages.pool import PoolConfig
     from stages.diffusion.step_cache import StepCacheConfig
+    from stages.pool import PoolConfig
 
     spec = ModelSpec("bench", checkpoint, device=args.device, dtype=args.dtype,
                      step_cache=StepCacheConfig(enabled=True), pools={"denoise": PoolConfig(max_batch_size=1)})

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipelines.image_request import RequestError
+from stages.pool import PoolConfig
 from stages.speech.asr import AsrJob, AsrStage
 from stages.speech.asr_transcript import AudioWindow
-from stages.pool import PoolConfig
 
 ASR_FAMILY = "whisper"
 TRANSCRIBE, TRANSLATE = "transcribe", "translate"  # Whisper's tasks

@@ -10,15 +10,15 @@ from pipelines.chat import LLMConfig
 from pipelines.chat_parts import VLMConfig
 from pipelines.image_request import ImageLimits
 from pipelines.video import VideoConfig
-from stages.media.image import ImageDecodeLimits
-from stages.media.audio import AudioDecodeLimits
-from stages.media.fetch import FetchPolicy
-from stages.media.video import VideoDecodeLimits
-from stages.pool import PoolConfig
+from stages.cuda_graphs import GraphConfig
 from stages.diffusion.compile import CompileConfig
 from stages.diffusion.denoiser import Speedups
-from stages.cuda_graphs import GraphConfig
 from stages.diffusion.step_cache import StepCacheConfig
+from stages.media.audio import AudioDecodeLimits
+from stages.media.fetch import FetchPolicy
+from stages.media.image import ImageDecodeLimits
+from stages.media.video import VideoDecodeLimits
+from stages.pool import PoolConfig
 
 
 @dataclass(frozen=True)

@@ -148,8 +148,13 @@ def _tokenizer(src: Path, vocab_size: int):
 def convert_whisper_ct2(src: str | Path, dst: str | Path, *, dtype: str = "float32") -> Path:
     """Write a transformers Whisper checkpoint (model, processor, generation config) for a CTranslate2 one."""
     import torch
-    from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration,
-                              WhisperProcessor)
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+    )
 
     src, dst = Path(src), Path(dst)
     for name in ("model.bin", "config.json", "tokenizer.json"):

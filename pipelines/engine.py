@@ -15,21 +15,21 @@ import numpy as np
 from encoders.cache import EncoderCache
 from pipelines.asr import ASR_FAMILY, ASR_POOL, TranscriptionModel, TranscriptionRequest
 from pipelines.chat import LLM_FAMILY, ChatModel, ChatRequest
+from pipelines.chat_parts import has_media_parts
 from pipelines.config import EngineConfig, ModelSpec, VoiceSpec
 from pipelines.embeddings import EMBED_POOL, EMBEDDING_FAMILIES, EmbeddingModel, EmbeddingRequest
-from pipelines.tts import SPEECH_TASK, TTS_FAMILIES, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
-from pipelines.registry import detect_family, family_class
 from pipelines.image_request import ImageRequest, RequestError, Task
+from pipelines.registry import detect_family, family_class
+from pipelines.tts import SPEECH_TASK, TTS_FAMILIES, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
-from pipelines.chat_parts import has_media_parts
 from pipelines.vlm import VLM_FAMILY, VLMChatModel, load_media
 from stages.diffusion.stages import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.executor import GraphExecutor
 from stages.graph import StageGraph
-from stages.metrics import Metrics
 from stages.llm.params import SamplingParams
+from stages.metrics import Metrics
 from stages.request_state import RequestHandle
 from stages.thread_budget import ThreadBudget
 
@@ -408,8 +408,8 @@ class Engine:
 
     async def load_source(self, source: str, *, param: str) -> bytes:
         """The bytes of a `data:` URI, an http(s) URL or an allowed file:// path, fetched safely."""
-        from stages.media.image import MediaError
         from stages.media.fetch import load_source
+        from stages.media.image import MediaError
         try:
             return await load_source(source, self.config.media.fetch, observe=self._fetch_event)
         except MediaError as exc:

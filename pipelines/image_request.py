@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.events import StageError
 from stages.diffusion.step_cache import StepCacheParams
+from stages.events import StageError
 
 
 class Task(str, enum.Enum):

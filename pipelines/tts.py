@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.phrases import PhraseLimits, split_phrases
 from pipelines.image_request import RequestError
+from pipelines.phrases import PhraseLimits, split_phrases
 from stages.pool import PoolConfig
 from stages.speech.tts import Phrase, SpeechJob, TtsStage
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from serve.routes import batches, chat, embeddings, images, realtime_video, realtime_voice, speech, system
-from serve.routes import transcriptions, videos
+from realtime.sessions import registry_for
 from serve.body_limit import BodyLimit
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
@@ -22,7 +21,18 @@ from serve.job_runner import JobPolicy, JobRunner
 from serve.jobs import JobStore
 from serve.metrics import RequestCounter
 from serve.openapi import install_openapi
-from realtime.sessions import registry_for
+from serve.routes import (
+    batches,
+    chat,
+    embeddings,
+    images,
+    realtime_video,
+    realtime_voice,
+    speech,
+    system,
+    transcriptions,
+    videos,
+)
 from stages.redact import redact_loggers
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits

@@ -14,8 +14,15 @@ from pathlib import Path
 
 from pipelines.chat import LLM_FAMILY
 from pipelines.config import ModelSpec
-from serve.config import (DEFAULT_DEMO_DIR, DEMO_FAMILIES, IMAGE_DEMO_FAMILIES, demo_specs, engine_config, load_config,
-                          parse_model_arg)
+from serve.config import (
+    DEFAULT_DEMO_DIR,
+    DEMO_FAMILIES,
+    IMAGE_DEMO_FAMILIES,
+    demo_specs,
+    engine_config,
+    load_config,
+    parse_model_arg,
+)
 from stages.redact import RedactingFormatter
 
 log = logging.getLogger("mmserve")

@@ -89,10 +89,10 @@ from pipelines.config import EngineConfig, MediaConfig, ModelSpec, RealtimeConfi
 from pipelines.embeddings import CLIP_EMBEDDING_FAMILY, EMBEDDING_FAMILY
 from pipelines.image_request import ImageLimits
 from pipelines.video import VideoConfig
-from stages.pool import PoolConfig
-from stages.diffusion.compile import CompileConfig
 from stages.cuda_graphs import GraphConfig
+from stages.diffusion.compile import CompileConfig
 from stages.diffusion.step_cache import StepCacheConfig
+from stages.pool import PoolConfig
 
 log = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.model_default import default_model
 from pipelines.image_request import RequestError
+from pipelines.model_default import default_model
 from stages.events import StageError
 
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from fastapi import FastAPI
-from fastapi.routing import iter_route_contexts
 from fastapi.openapi.utils import get_openapi
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, iter_route_contexts
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 

@@ -16,8 +16,8 @@ from pipelines.config import EngineConfig, ModelSpec
 from pipelines.demo import build_demo_model
 from pipelines.engine import Engine
 from pipelines.image_request import RequestError
-from stages.speech.asr_transcript import TranscriptStream, window_spans
 from stages.pool import PoolConfig
+from stages.speech.asr_transcript import TranscriptStream, window_spans
 
 MAX_NEW_TOKENS = 12  # random weights never end a window: keep the loops short
 RATE = 16000

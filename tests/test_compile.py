@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pipelines.image_request import ImageRequest
-from stages.diffusion.compile import CompileConfig
 from stages.cuda_graphs import GraphConfig
+from stages.diffusion.compile import CompileConfig
 from stages.diffusion.step_cache import StepCacheConfig
 from tests.helpers import running_engine
 

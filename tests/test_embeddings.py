@@ -21,8 +21,8 @@ from pipelines.demo import build_demo_model
 from pipelines.demo.embedding import minilm_path
 from pipelines.embeddings import EmbeddingRequest, ImageInput
 from pipelines.engine import Engine
-from pipelines.registry import detect_family
 from pipelines.image_request import RequestError
+from pipelines.registry import detect_family
 from stages.embedding import plan_forwards, shorten
 from tests.helpers import noise_image
 

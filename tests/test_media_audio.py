@@ -13,10 +13,16 @@ import av
 import numpy as np
 import pytest
 
-from stages.media.image import MediaError
 from stages.media.audio import (
-    AudioDecodeLimits, AudioStreamEncoder, DecodedAudio, RawPCM, decode_audio, encode_audio, probe_audio,
+    AudioDecodeLimits,
+    AudioStreamEncoder,
+    DecodedAudio,
+    RawPCM,
+    decode_audio,
+    encode_audio,
+    probe_audio,
 )
+from stages.media.image import MediaError
 from stages.media.pool import MediaPool
 
 RATE = 16_000

@@ -27,9 +27,15 @@ import pytest
 from PIL import Image
 
 from stages.media import fetch as media_fetch
+from stages.media.fetch import (
+    FetchOutcome,
+    FetchPolicy,
+    address_block_reason,
+    literal_address,
+    load_source,
+    load_source_sync,
+)
 from stages.media.image import MediaError
-from stages.media.fetch import (FetchOutcome, FetchPolicy, address_block_reason, literal_address, load_source,
-                                load_source_sync)
 
 
 def _png() -> bytes:

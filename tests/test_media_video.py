@@ -27,7 +27,12 @@ from stages.media import video_seek as media_video_seek
 from stages.media.image import WORKER_FUNCTIONS, MediaError, worker_function
 from stages.media.pool import MediaPool
 from stages.media.video import (
-    DecodedVideo, VideoDecodeLimits, VideoSampling, decode_all_frames, decode_video, probe_video,
+    DecodedVideo,
+    VideoDecodeLimits,
+    VideoSampling,
+    decode_all_frames,
+    decode_video,
+    probe_video,
 )
 from stages.media.video_encode import FragmentedMP4Writer, encode_video
 

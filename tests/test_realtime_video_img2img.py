@@ -10,12 +10,20 @@ import json
 import time
 
 import numpy as np
-import pytest
 from PIL import Image
 
 from pipelines.image_request import ImageRequest, Task
-from tests.test_realtime_video_support import (Client, Media, batches_of_two_or_more, decode_jpeg, jpeg,  # noqa: F401
-                                               painted_frame, server, slow_denoiser, video_demo_models)  # fixtures
+from tests.test_realtime_video_support import (  # noqa: F401
+    Client,
+    Media,
+    batches_of_two_or_more,
+    decode_jpeg,
+    jpeg,
+    painted_frame,  # fixtures
+    server,
+    slow_denoiser,
+    video_demo_models,
+)
 
 PROMPT = "a watercolour fox"
 

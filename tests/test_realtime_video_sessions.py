@@ -13,8 +13,14 @@ import websockets
 from pipelines.config import MediaConfig, RealtimeConfig
 from realtime.sessions import registry_for
 from stages.media.image import ImageDecodeLimits
-from tests.test_realtime_video_support import (Client, InProcessServer, jpeg, painted_frame, start_engine,
-                                               video_demo_models)  # noqa: F401  (a fixture)
+from tests.test_realtime_video_support import (
+    Client,
+    InProcessServer,
+    jpeg,
+    painted_frame,
+    start_engine,
+    video_demo_models,  # noqa: F401  (a fixture)
+)
 from tests.test_serve_support import png_bytes
 
 IMG2IMG = {"type": "session.update", "session": {"mode": "img2img", "model": "sd-demo", "prompt": "neon city",

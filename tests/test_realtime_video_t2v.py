@@ -7,13 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 from PIL import Image
 
 from pipelines.video import VideoRequest
 from stages.media.video_encode import encode_fmp4_segment
-from tests.test_realtime_video_support import (Client, decode_jpeg, decode_mp4, server,  # noqa: F401  (fixtures)
-                                               video_demo_models)
+from tests.test_realtime_video_support import Client, decode_jpeg, decode_mp4, server, video_demo_models  # noqa: F401  (fixtures)
 
 PROMPT, OTHER = "a lighthouse at dusk", "a forest in the rain"
 

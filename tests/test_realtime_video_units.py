@@ -13,8 +13,15 @@ from realtime.sessions import pack_frame
 from realtime.video.credits import CreditGate
 from realtime.video.degrade import OverloadLadder, next_degradation
 from realtime.video.img2img import SimilarityFilter
-from realtime.video.protocol import (MAX_CREDIT_GRANT, ProtocolError, VideoSettings, parse_control, parse_credit,
-                                     parse_event, parse_media)
+from realtime.video.protocol import (
+    MAX_CREDIT_GRANT,
+    ProtocolError,
+    VideoSettings,
+    parse_control,
+    parse_credit,
+    parse_event,
+    parse_media,
+)
 from stages.media.video_encode import encode_fmp4_segment
 from tests.test_realtime_video_support import decode_mp4
 

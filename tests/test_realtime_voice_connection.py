@@ -9,9 +9,9 @@ import json
 import pytest
 
 from pipelines.config import RealtimeConfig
-from realtime.voice.vad import VadLoader
 from realtime.sessions import reap_until_empty, registry_for
 from realtime.voice.connection import VoiceConnection
+from realtime.voice.vad import VadLoader
 from tests.test_realtime_voice_support import voice_engine, voice_models
 
 __all__ = ["voice_models"]

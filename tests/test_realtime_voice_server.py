@@ -14,8 +14,15 @@ import openai
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.test_realtime_voice_support import (REAL_ASR, append_event, needs_speech, silence, speech, stream,
-                                               voice_models)
+from tests.test_realtime_voice_support import (
+    REAL_ASR,
+    append_event,
+    needs_speech,
+    silence,
+    speech,
+    stream,
+    voice_models,
+)
 from tests.test_serve_support import Server, metric
 
 __all__ = ["voice_models"]
@@ -97,8 +104,13 @@ def test_the_voice_model_is_listed(server):
 
 
 def test_the_openai_sdk_completes_a_text_and_an_audio_turn(server):
-    from openai.types.realtime import (ConversationItemCreatedEvent, ResponseAudioDeltaEvent, ResponseDoneEvent,
-                                       ResponseTextDeltaEvent, SessionCreatedEvent)
+    from openai.types.realtime import (
+        ConversationItemCreatedEvent,
+        ResponseAudioDeltaEvent,
+        ResponseDoneEvent,
+        ResponseTextDeltaEvent,
+        SessionCreatedEvent,
+    )
 
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

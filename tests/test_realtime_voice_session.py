@@ -19,11 +19,22 @@ from pydantic import TypeAdapter, ValidationError
 
 from pipelines.config import VoiceSessionConfig
 from realtime.sessions import Journal, Outbox
-from realtime.voice.vad import VadLoader
-from realtime.voice.session import VoiceSession
 from realtime.voice.response import OutputChunk
-from tests.test_realtime_voice_support import (ESPEAK, Collector, append_event, needs_speech, pcm_b64, silence, speech,
-                                               stream, voice_engine, voice_models, voiced)
+from realtime.voice.session import VoiceSession
+from realtime.voice.vad import VadLoader
+from tests.test_realtime_voice_support import (
+    ESPEAK,
+    Collector,
+    append_event,
+    needs_speech,
+    pcm_b64,
+    silence,
+    speech,
+    stream,
+    voice_engine,
+    voice_models,
+    voiced,
+)
 
 __all__ = ["voice_models"]  # the fixture, imported for pytest
 EXTENSIONS = {"response.metrics", "session.heartbeat_ack", "session.expired", "session.resync_required"}

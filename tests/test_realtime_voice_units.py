@@ -9,12 +9,20 @@ import warnings
 import numpy as np
 import pytest
 
-from realtime.voice.audio_codec import (ALAW, PCM16, ULAW, AudioDecodeError, StreamResampler, b64decode, decode, encode)
-from realtime.voice.vad import EnergyModel, TurnDetector, VadLoader, VadParams, silero_file
+from realtime.voice.audio_codec import ALAW, PCM16, ULAW, AudioDecodeError, StreamResampler, b64decode, decode, encode
 from realtime.voice.items import Conversation, Item, Phrase, PlaybackClock
-from realtime.voice.protocol import (ProtocolError, SessionConfig, TurnDetection, apply_session_update,
-                                     is_beta_session, parse_client_event, parse_item, parse_response_params,
-                                     session_object)
+from realtime.voice.protocol import (
+    ProtocolError,
+    SessionConfig,
+    TurnDetection,
+    apply_session_update,
+    is_beta_session,
+    parse_client_event,
+    parse_item,
+    parse_response_params,
+    session_object,
+)
+from realtime.voice.vad import EnergyModel, TurnDetector, VadLoader, VadParams, silero_file
 from tests.test_realtime_voice_support import ESPEAK, silence, speech, voiced
 
 # -- wire audio -----------------------------------------------------------------------------------------------

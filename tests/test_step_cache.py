@@ -6,16 +6,22 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from pipelines.image_request import ImageRequest, RequestError
 from pipelines.video import VideoRequest
+from stages.diffusion.step_cache import (
+    BranchCache,
+    StepCacheConfig,
+    StepCacheParams,
+    StepCacheState,
+    decide_interval,
+    decide_teacache,
+    rescale,
+)
 from stages.events import StageError
-from stages.diffusion.step_cache import (BranchCache, StepCacheParams, StepCacheState, decide_interval, decide_teacache,
-                               rescale)
-from stages.diffusion.step_cache import StepCacheConfig
 from tests.helpers import running_engine
 
 ALLOW = StepCacheConfig(enabled=True)

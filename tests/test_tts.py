@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.phrases import PhraseLimits, PhraseSplitter, split_phrases
 from pipelines.image_request import RequestError
+from pipelines.phrases import PhraseLimits, PhraseSplitter, split_phrases
 from pipelines.tts import SpeechRequest
-from stages.speech.audio_dsp import fade_edges, resample, stretch_frames
 from stages.events import EventKind, StageError
+from stages.speech.audio_dsp import fade_edges, resample, stretch_frames
 
 TEXT = ("Hello there. This is a test of the speech server, with several phrases! Does it stream? "
         "Yes, it does, phrase by phrase.")

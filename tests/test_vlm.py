@@ -23,7 +23,7 @@ from pipelines.config import EngineConfig, ModelSpec
 from pipelines.demo import build_demo_model
 from pipelines.engine import Engine
 from stages.events import StageError
-from stages.llm.multimodal import MediaSpan, attach_features, mrope_positions, MRoPE
+from stages.llm.multimodal import MediaSpan, MRoPE, attach_features, mrope_positions
 from stages.llm.params import SamplingParams
 from stages.media.video import decode_video, encode_video
 from stages.pool import PoolConfig

@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 from pipelines.demo.embedding import build_clip_model
-from pipelines.demo.vlm import build_llava, build_qwen2_5_vl
 from pipelines.demo.llm import build_chat_model
 from pipelines.demo.tts import build_speecht5_model, build_vits_model
 from pipelines.demo.video import build_ltx, build_wan
+from pipelines.demo.vlm import build_llava, build_qwen2_5_vl
 from pipelines.demo.whisper import ConvertedWhisper, build_whisper_model, tiny_en_source
 
 FAMILIES = ("sd", "sdxl", "sd3", "flux")  # diffusion pipelines

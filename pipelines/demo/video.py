@@ -28,8 +28,13 @@ def _t5_config(cls, tokenizer):
 
 def build_wan(seed: int, scale: str, *, image_to_video: bool = False, clip_image_encoder: bool = False):
     """WanPipeline; image_to_video: WanImageToVideoPipeline (Wan 2.2 style, or Wan 2.1 with clip_image_encoder)."""
-    from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
-                           WanTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import UMT5Config, UMT5EncoderModel
 
     from pipelines.demo import _t5_tokenizer
@@ -62,7 +67,12 @@ def build_wan(seed: int, scale: str, *, image_to_video: bool = False, clip_image
 
 
 def build_ltx(seed: int, scale: str):
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
     from transformers import T5Config, T5EncoderModel
 
     from pipelines.demo import _t5_tokenizer

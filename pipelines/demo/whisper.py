@@ -44,8 +44,13 @@ def whisper_tokenizer(byte_chars: list[str], languages: tuple[str, ...] = LANGUA
 
 def build_whisper_model(seed: int, scale: str, byte_chars: list[str], *, multilingual: bool = True) -> Checkpoint:
     """A tiny random WhisperForConditionalGeneration (d64, 2 + 2 layers, 4 heads, 80 mel bins) and its processor."""
-    from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration,
-                              WhisperProcessor)
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+    )
 
     languages = LANGUAGES if multilingual else ("en",)
     tokenizer = whisper_tokenizer(byte_chars, languages)

@@ -21,8 +21,8 @@ from pipelines.families.base import ImageFamily
 from pipelines.families.speedups import norm1_indicator
 from pipelines.image_request import ImageRequest, RequestError, Task
 from stages.diffusion.block_stack import CacheSpec
-from stages.stage import WorkItem
 from stages.diffusion.step_cache import TEACACHE_COEFFICIENTS
+from stages.stage import WorkItem
 
 MAX_SEQUENCE_LENGTH = 512  # the pipelines' default and their upper limit
 

@@ -19,8 +19,8 @@ from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_times
 from pipelines.families.video_base import VideoFamily
 from pipelines.video import VideoRequest, VideoTask
 from stages.diffusion.block_stack import CacheSpec
-from stages.stage import WorkItem
 from stages.diffusion.step_cache import TEACACHE_COEFFICIENTS
+from stages.stage import WorkItem
 
 
 class LTXFamily(VideoFamily):

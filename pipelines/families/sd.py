@@ -7,8 +7,7 @@ from typing import Any, Hashable
 
 import numpy as np
 import torch
-from diffusers import (StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
-                       StableDiffusionPipeline)
+from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline, StableDiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
 from pipelines.families.base import ImageFamily

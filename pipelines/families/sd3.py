@@ -7,8 +7,7 @@ from typing import Any, Hashable
 
 import numpy as np
 import torch
-from diffusers import (StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline,
-                       StableDiffusion3Pipeline)
+from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 
 from pipelines.families.base import ImageFamily

@@ -13,8 +13,7 @@ from typing import Any, Hashable
 
 import numpy as np
 import torch
-from diffusers import (StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline,
-                       StableDiffusionXLPipeline)
+from diffusers import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import retrieve_timesteps
 
 from pipelines.families.sd import StableDiffusionFamily

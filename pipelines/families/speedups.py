@@ -11,8 +11,8 @@ import torch
 from pipelines.image_request import RequestError
 from stages.diffusion.block_stack import CacheSpec, RowGroup
 from stages.diffusion.denoiser import DenoiserCall, Speedups
-from stages.stage import WorkItem
 from stages.diffusion.step_cache import StepCacheState
+from stages.stage import WorkItem
 
 
 class DenoiserSpeedups:

@@ -22,8 +22,8 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from pipelines.families.video_base import VideoFamily
 from pipelines.video import VideoRequest, VideoTask
 from stages.diffusion.block_stack import CacheSpec
-from stages.stage import WorkItem
 from stages.diffusion.step_cache import TEACACHE_COEFFICIENTS
+from stages.stage import WorkItem
 
 
 class WanFamily(VideoFamily):

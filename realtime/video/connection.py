@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from realtime.sessions import CLOSE_NORMAL, CLOSE_TRY_AGAIN, SessionRefused, SessionRegistry, SessionSocket
-from realtime.video.session import VideoSession
 from realtime.video.protocol import ProtocolError, error_event, only, parse_event
+from realtime.video.session import VideoSession
 
 log = logging.getLogger(__name__)
 

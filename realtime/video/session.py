@@ -27,9 +27,21 @@ from realtime.video.degrade import Degradation, OverloadLadder, next_degradation
 from realtime.video.img2img import Img2ImgStream
 from realtime.video.models import min_steps, resolve, size_of
 from realtime.video.output import OutputEncoder
-from realtime.video.protocol import (INPUT_CONTENT_TYPES, MAX_CREDIT_GRANT, MAX_CREDITS_HELD, MAX_LOOKAHEAD, MODES,
-                                     OUTPUT_FORMATS, ProtocolError, VideoSettings, error_event, only, parse_control,
-                                     parse_credit, parse_media)
+from realtime.video.protocol import (
+    INPUT_CONTENT_TYPES,
+    MAX_CREDIT_GRANT,
+    MAX_CREDITS_HELD,
+    MAX_LOOKAHEAD,
+    MODES,
+    OUTPUT_FORMATS,
+    ProtocolError,
+    VideoSettings,
+    error_event,
+    only,
+    parse_control,
+    parse_credit,
+    parse_media,
+)
 from realtime.video.t2v import ChunkStream
 
 log = logging.getLogger(__name__)

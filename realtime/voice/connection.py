@@ -23,11 +23,20 @@ import logging
 from typing import Any
 
 from pipelines.image_request import RequestError
-from realtime.sessions import (CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN, Journal, Outbox, SessionRefused,
-                               SessionRegistry, SessionSocket, error_event)
-from realtime.voice.vad import VadLoader
-from realtime.voice.session import VoiceSession
+from realtime.sessions import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_TRY_AGAIN,
+    Journal,
+    Outbox,
+    SessionRefused,
+    SessionRegistry,
+    SessionSocket,
+    error_event,
+)
 from realtime.voice.items import new_id
+from realtime.voice.session import VoiceSession
+from realtime.voice.vad import VadLoader
 
 log = logging.getLogger(__name__)
 REFUSED_WAIT_S = 5.0  # a connection refused at capacity may still send session.resume this long

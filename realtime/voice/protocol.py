@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from realtime.voice.audio_codec import FORMATS, GA_FORMATS, PCM16, AudioFormat
 from realtime.sessions import ProtocolError  # noqa: F401  (raised here; importers take it from this module too)
+from realtime.voice.audio_codec import FORMATS, GA_FORMATS, PCM16, AudioFormat
 
 CLIENT_EVENTS = frozenset({
     "session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",

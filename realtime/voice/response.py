@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipelines.chat import ChatRequest
-from pipelines.phrases import PhraseLimits, PhraseSplitter
 from pipelines.image_request import RequestError
+from pipelines.phrases import PhraseLimits, PhraseSplitter
 from pipelines.tts import SpeechRequest
 from realtime.voice.audio_codec import AudioFormat
 from realtime.voice.items import Item, Phrase

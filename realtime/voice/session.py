@@ -28,16 +28,25 @@ from typing import Any
 from pipelines.asr_incremental import IncrementalTranscriber
 from pipelines.config import VoiceSessionConfig, VoiceSpec
 from pipelines.image_request import RequestError
-from realtime.voice.audio_codec import AudioDecodeError, b64decode, b64encode, decode, encode
 from realtime.sessions import Outbox, error_event
-from realtime.voice.vad import SAMPLE_RATE, VadLoader
 from realtime.voice.asr import AsrLane
+from realtime.voice.audio_codec import AudioDecodeError, b64decode, b64encode, decode, encode
 from realtime.voice.input import VoiceInput
 from realtime.voice.items import Conversation, Item, PlaybackClock, new_id
-from realtime.voice.protocol import (ProtocolError, SessionConfig, apply_session_update, event_name, is_beta_session,
-                                     parse_client_event, parse_item, parse_response_params, session_object)
+from realtime.voice.protocol import (
+    ProtocolError,
+    SessionConfig,
+    apply_session_update,
+    event_name,
+    is_beta_session,
+    parse_client_event,
+    parse_item,
+    parse_response_params,
+    session_object,
+)
 from realtime.voice.response import OutputChunk, Response
 from realtime.voice.turns import ResponseControl
+from realtime.voice.vad import SAMPLE_RATE, VadLoader
 from stages.speech.audio_dsp import resample
 
 log = logging.getLogger(__name__)

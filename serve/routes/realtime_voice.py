@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
 
-from realtime.voice.vad import VadLoader
 from realtime.voice.connection import VoiceConnection
+from realtime.voice.vad import VadLoader
 from serve.ws import StarletteSocket, accept, ensure_reaper
 
 router = APIRouter()

@@ -35,8 +35,8 @@ from serve.errors import error_body, stage_error_parts
 from serve.models import resolve_model
 from serve.responses import result_or_cancel, sse
 from stages.events import Event, EventKind, StageError
-from stages.media.image import MediaError
 from stages.media.audio_encode import ENCODE_FORMATS, AudioStreamEncoder
+from stages.media.image import MediaError
 from stages.request_state import RequestHandle
 
 log = logging.getLogger(__name__)

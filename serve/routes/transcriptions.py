@@ -22,7 +22,14 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
-from pipelines.asr import SAMPLE_RATE, SPEECH_TO_TEXT_TASK, TRANSCRIBE, TRANSLATE, TRANSLATIONS_TASK, TranscriptionRequest
+from pipelines.asr import (
+    SAMPLE_RATE,
+    SPEECH_TO_TEXT_TASK,
+    TRANSCRIBE,
+    TRANSLATE,
+    TRANSLATIONS_TASK,
+    TranscriptionRequest,
+)
 from pipelines.image_request import RequestError
 from serve.auth import tenant_of
 from serve.errors import ApiError

@@ -21,8 +21,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from stages.diffusion.step_cache import (IDENTITY, StepCacheState, decide_fbcache, decide_interval, decide_teacache,
-                               must_compute)
+from stages.diffusion.step_cache import (
+    IDENTITY,
+    StepCacheState,
+    decide_fbcache,
+    decide_interval,
+    decide_teacache,
+    must_compute,
+)
 
 # Block arguments that are shared by every row (positions, options): never sliced by rows.
 SHARED_ARGS = frozenset({"image_rotary_emb", "rotary_emb", "joint_attention_kwargs", "attention_kwargs",

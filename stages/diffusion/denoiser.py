@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from stages.diffusion.block_stack import BlockStack, CacheSpec, RowGroup
-from stages.diffusion.compile import CompileConfig, compile_blocks
 from stages.cuda_graph_metrics import GraphObserver, MetricsObserver
 from stages.cuda_graphs import GraphConfig, GraphRunner, signature
+from stages.diffusion.block_stack import BlockStack, CacheSpec, RowGroup
+from stages.diffusion.compile import CompileConfig, compile_blocks
 from stages.diffusion.step_cache import StepCacheConfig
 
 log = logging.getLogger(__name__)

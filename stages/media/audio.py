@@ -19,8 +19,8 @@ import av
 import av.error
 import numpy as np
 
-from stages.media.image import MediaError
 from stages.media.audio_encode import AudioStreamEncoder, encode_audio
+from stages.media.image import MediaError
 
 __all__ = [
     "AudioDecodeLimits", "AudioInfo", "AudioStreamEncoder", "DecodedAudio", "RawPCM",

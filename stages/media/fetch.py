@@ -27,9 +27,8 @@ from dataclasses import dataclass
 import httpcore
 import httpx
 
+from stages.media.address import HOST_NAME, IPAddress, address_block_reason, listed_in, literal_address, split_entry
 from stages.media.image import MediaError
-from stages.media.address import (HOST_NAME, IPAddress, address_block_reason, listed_in, literal_address,
-                                  split_entry)
 from stages.redact import redact_loggers, redact_text, redact_url
 
 _SCHEMES = ("data", "http", "https", "file")

@@ -15,9 +15,9 @@ from typing import Any, Hashable
 
 import torch
 
+from stages.events import EventKind
 from stages.speech.asr_decode import WhisperTokens, decode, detect_languages, encode
 from stages.speech.asr_transcript import AudioWindow, DecodedWindow, Segment, TranscriptStream, window_segments
-from stages.events import EventKind
 from stages.stage import Stage, WorkItem
 
 

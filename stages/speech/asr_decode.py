@@ -79,8 +79,11 @@ def detect_languages(model, enc: torch.Tensor, tokens: WhisperTokens) -> list[in
 
 def logits_processors(model, begin_index: int, timestamps: bool, device) -> list:
     """generate()'s processors for Whisper, in its order (each is prepended to the list there)."""
-    from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
-                                                        SuppressTokensLogitsProcessor, WhisperTimeStampLogitsProcessor)
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
 
     g = model.generation_config
     processors = []

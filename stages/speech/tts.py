@@ -22,8 +22,8 @@ from typing import Any, Hashable, Protocol, Sequence
 import numpy as np
 import torch
 
-from stages.speech.audio_dsp import fade_edges, resample
 from stages.events import EventKind
+from stages.speech.audio_dsp import fade_edges, resample
 from stages.stage import LoopStage, WorkItem
 
 FADE_S = 0.005  # fade in and out at each phrase edge
