@@ -95,7 +95,8 @@ def _pooling_modes(config_file: Path) -> tuple[str, ...]:
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
-    """Pooled vectors, as sentence-transformers' Pooling computes them. hidden [B, T, H], mask [B, T] -> [B, H * len(modes)]."""
+    """Pooled vectors, as sentence-transformers' Pooling computes them.
+    hidden [B, T, H], mask [B, T] -> [B, H * len(modes)]."""
     hidden = hidden.float()
     m = mask.unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
     counts = m.sum(1).clamp(min=1e-9)  # [B, 1]
@@ -184,7 +185,8 @@ class SentenceEncoder:
         self.config = read_sentence_config(path)
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_dir)
-        self.model = AutoModel.from_pretrained(self.config.model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = AutoModel.from_pretrained(self.config.model_dir,
+                                               dtype=getattr(torch, dtype)).to(self.device).eval()
         limit = model_limit(self.tokenizer, self.model.config)
         self.template = TokenTemplate.of(self.tokenizer, min(self.config.max_seq_length or limit, limit))
         self.dimension = self.model.config.hidden_size * len(self.config.pooling)  # width of one vector

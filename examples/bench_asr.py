@@ -50,7 +50,8 @@ def _audio(files: int, sentences: int) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(files):
             path = Path(tmp) / f"{i}.wav"
-            subprocess.run([espeak, "-v", "en-us", "-s", "140", "-w", str(path), _sentences(rng, sentences)], check=True)
+            subprocess.run([espeak, "-v", "en-us", "-s", "140", "-w", str(path), _sentences(rng, sentences)],
+                           check=True)
             out.append(decode_audio(path.read_bytes()).samples)
     return out
 

@@ -128,8 +128,9 @@ def mmserve_engine(checkpoint: str, setup: dict, args, variant: str):
 def mmserve_request(setup: dict, seed: int, step_cache=None):
     from pipelines.image_request import ImageRequest
 
-    return ImageRequest(prompt=prompt(seed), width=setup["size"], height=setup["size"], num_inference_steps=setup["steps"],
-                        guidance_scale=setup["guidance"], seed=seed, step_cache=step_cache)
+    return ImageRequest(prompt=prompt(seed), width=setup["size"], height=setup["size"],
+                        num_inference_steps=setup["steps"], guidance_scale=setup["guidance"], seed=seed,
+                        step_cache=step_cache)
 
 
 def mmserve_latency(engine, setup: dict, args, step_cache=None) -> float:

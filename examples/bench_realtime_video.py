@@ -16,7 +16,8 @@ Without --checkpoint it builds the "small" demo SD model (random weights; --tiny
 under ~/.cache/mmserve/bench/, by default with a TAESD-shaped tiny VAE (AutoencoderTiny, random weights) in
 place of its full one, as StreamDiffusion runs (its numbers use TAESD): the full VAE's encode and decode
 cost more than the two UNet steps on a CPU and no batching shares them (--vae full keeps it).
-With a GPU: --device cuda --checkpoint <an SD-turbo-size checkpoint> --size 512 --steps 2 --strength 0.5 (compare with StreamDiffusion's ~94 fps img2img on an RTX 4090, SD-turbo, 1 step).
+With a GPU: --device cuda --checkpoint <an SD-turbo-size checkpoint> --size 512 --steps 2 --strength 0.5
+(compare with StreamDiffusion's ~94 fps img2img on an RTX 4090, SD-turbo, 1 step).
 Ratios, not absolute times, are the result: the machine is shared.
 """
 
@@ -184,8 +185,8 @@ def main() -> None:
         frames = [_frame_jpeg(i, args.size) for i in range(args.frames)]
         vae = "its own" if args.checkpoint else args.vae
         print(f"checkpoint {checkpoint} ({vae} VAE), {args.size}x{args.size}, {args.steps} steps x strength "
-              f"{args.strength} = {denoise_steps} denoise steps a frame, camera {args.fps:g} fps x {args.frames} frames, "
-              f"{args.device}, {os.cpu_count()} CPUs")
+              f"{args.strength} = {denoise_steps} denoise steps a frame, camera {args.fps:g} fps x "
+              f"{args.frames} frames, {args.device}, {os.cpu_count()} CPUs")
         _run(url, args, 1, None, frames[: max(4, args.frames // 4)])  # warm-up
         for n in counts:
             result = {}

@@ -185,7 +185,8 @@ def main() -> None:
     mem = vae_memory(checkpoint, args)
     untiled, tiled = mem[False], mem[True]
     print(f"vae decode {args.vae_size}x{args.vae_size} px x {args.vae_frames} frames: peak RSS growth untiled "
-          f"{untiled['peak_kb'] / 1024:8.1f} MiB ({untiled['seconds']:.2f} s)   tiled {tiled['peak_kb'] / 1024:8.1f} MiB "
+          f"{untiled['peak_kb'] / 1024:8.1f} MiB ({untiled['seconds']:.2f} s)   "
+          f"tiled {tiled['peak_kb'] / 1024:8.1f} MiB "
           f"({tiled['seconds']:.2f} s)   ratio {untiled['peak_kb'] / max(tiled['peak_kb'], 1):.2f}x")
 
 

@@ -88,7 +88,8 @@ def ttft(engine, model: str, url: str, question: str) -> float:
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": question}]}]
     started = time.perf_counter()
-    handle = engine.submit_chat(model, ChatRequest(messages=messages, params=SamplingParams(temperature=0, max_tokens=4)))
+    handle = engine.submit_chat(model, ChatRequest(messages=messages,
+                                                   params=SamplingParams(temperature=0, max_tokens=4)))
     first = None
     for event in handle.events(timeout=600):
         if event.kind is EventKind.DELTA and first is None:

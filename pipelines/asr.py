@@ -37,7 +37,8 @@ ASR_POOL = PoolConfig(max_batch_size=32, max_delay_ms=50.0, max_queue=256)
 @dataclass(frozen=True)
 class AsrConfig:
     max_windows: int = 8  # windows in one decode loop
-    encoder_batch: int | None = None  # windows in one encoder forward; None: 1 on a CPU (no faster batched), else max_windows
+    encoder_batch: int | None = None  # windows in one encoder forward; None: 1 on a CPU (no faster batched),
+    # else max_windows
     max_new_tokens: int | None = None  # tokens per window; None: the model's limit (448 minus the prompt)
     max_prompt_tokens: int = 223  # the prompt's last N tokens are kept (openai-whisper: max_target_positions // 2 - 1)
     max_prompt_chars: int = 8000  # longer prompts are refused before tokenizing

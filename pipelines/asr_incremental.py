@@ -1,4 +1,5 @@
-"""Incremental speech recognition for realtime sessions: partial hypotheses as audio arrives, a final one at an endpoint.
+"""Incremental speech recognition for realtime sessions: partial hypotheses as audio arrives,
+a final one at an endpoint.
 
 The method is the simplest that is correct: the utterance so far is kept in a buffer and
 re-decoded from scratch, through the same engine call (and so the same asr stage, batching

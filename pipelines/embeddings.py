@@ -96,8 +96,8 @@ class EmbeddingModel:
             raise RequestError("input", "input must hold at least one item (a string, a list of strings, a list of "
                                         "token ids or a list of token-id lists)")
         if len(inputs) > limits.max_inputs:
-            raise RequestError("input", f"input holds {len(inputs)} items; the limit is {limits.max_inputs} per request",
-                               code="too_many_inputs")
+            raise RequestError("input", f"input holds {len(inputs)} items; the limit is {limits.max_inputs} "
+                                        "per request", code="too_many_inputs")
         total_chars, num_images = 0, 0
         for i, x in enumerate(inputs):
             if isinstance(x, str):
@@ -118,11 +118,11 @@ class EmbeddingModel:
             raise RequestError("input", f"input holds {total_chars} characters; the limit is {limits.max_total_chars} "
                                         "per request", code="input_too_long")
         if num_images > limits.max_images:
-            raise RequestError("input", f"input holds {num_images} images; the limit is {limits.max_images} per request",
-                               code="too_many_images")
+            raise RequestError("input", f"input holds {num_images} images; the limit is {limits.max_images} "
+                                        "per request", code="too_many_images")
         if request.dimensions is not None and not 1 <= request.dimensions <= self.dimension:
-            raise RequestError("dimensions", f"dimensions must be between 1 and {self.dimension} for model {self.name}; "
-                                             f"got {request.dimensions}")
+            raise RequestError("dimensions", f"dimensions must be between 1 and {self.dimension} "
+                                             f"for model {self.name}; got {request.dimensions}")
 
     def _check_token_ids(self, ids: Any, param: str) -> None:
         if not isinstance(ids, list) or not ids:

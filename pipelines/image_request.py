@@ -64,8 +64,8 @@ class ImageRequest:
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise RequestError("prompt", "prompt must be a non-empty string")
         if len(self.prompt) > limits.max_prompt_chars:
-            raise RequestError("prompt", f"prompt is {len(self.prompt)} characters; the limit is {limits.max_prompt_chars}",
-                               code="prompt_too_long")
+            raise RequestError("prompt", f"prompt is {len(self.prompt)} characters; "
+                                         f"the limit is {limits.max_prompt_chars}", code="prompt_too_long")
         if self.task is not Task.TEXT_TO_IMAGE and self.image is not None and not (self.width or self.height):
             # Edits default to the input image's size, rounded down to the model's factor.
             width = max(size_factor, self.image.size[0] // size_factor * size_factor)
@@ -75,7 +75,8 @@ class ImageRequest:
             height = self.height or default_size
         for name, v in (("size", width), ("size", height)):
             if v < size_factor or v % size_factor:
-                raise RequestError(name, f"width and height must be positive multiples of {size_factor} for this model; got {width}x{height}",
+                raise RequestError(name, f"width and height must be positive multiples of {size_factor} "
+                                         f"for this model; got {width}x{height}",
                                    code="unsupported_size")
         if width * height > limits.max_pixels:
             raise RequestError("size", f"{width}x{height} is {width * height} pixels; the limit is {limits.max_pixels}",
@@ -84,10 +85,12 @@ class ImageRequest:
             raise RequestError("n", f"n must be between 1 and {limits.max_n}; got {self.n}")
         steps = self.num_inference_steps if self.num_inference_steps is not None else default_steps
         if not 1 <= steps <= limits.max_steps:
-            raise RequestError("num_inference_steps", f"num_inference_steps must be between 1 and {limits.max_steps}; got {steps}")
+            raise RequestError("num_inference_steps", f"num_inference_steps must be between 1 and {limits.max_steps}; "
+                                                      f"got {steps}")
         guidance = self.guidance_scale if self.guidance_scale is not None else default_guidance
         if not 0.0 <= guidance <= limits.max_guidance:
-            raise RequestError("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance}; got {guidance}")
+            raise RequestError("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance}; "
+                                                 f"got {guidance}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError("seed", f"seed must be between 0 and 2**63-1; got {self.seed}")
         if not 0 <= self.previews <= steps:

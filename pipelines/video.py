@@ -93,8 +93,8 @@ class VideoRequest:
         if not isinstance(self.prompt, str) or not self.prompt.strip():
             raise RequestError("prompt", "prompt must be a non-empty string")
         if len(self.prompt) > limits.max_prompt_chars:
-            raise RequestError("prompt", f"prompt is {len(self.prompt)} characters; the limit is {limits.max_prompt_chars}",
-                               code="prompt_too_long")
+            raise RequestError("prompt", f"prompt is {len(self.prompt)} characters; "
+                                         f"the limit is {limits.max_prompt_chars}", code="prompt_too_long")
         width, height = self.width or default_size[0], self.height or default_size[1]
         for v in (width, height):
             if isinstance(v, bool) or not isinstance(v, int) or v < size_factor or v % size_factor:
@@ -120,8 +120,10 @@ class VideoRequest:
             raise RequestError("num_inference_steps", f"num_inference_steps must be between 1 and {limits.max_steps}; "
                                                       f"got {steps!r}")
         guidance = self.guidance_scale if self.guidance_scale is not None else default_guidance
-        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0.0 <= guidance <= limits.max_guidance:
-            raise RequestError("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance}; got {guidance!r}")
+        if (isinstance(guidance, bool) or not isinstance(guidance, (int, float))
+                or not 0.0 <= guidance <= limits.max_guidance):
+            raise RequestError("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance}; "
+                                                 f"got {guidance!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise RequestError("seed", f"seed must be an integer between 0 and 2**63-1; got {self.seed!r}")

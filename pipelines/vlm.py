@@ -49,7 +49,8 @@ class VLMChatModel(ChatModel):
         architecture = _architecture(path)
         cls = getattr(transformers, architecture)
         # Paged attention for the language model only; the vision tower keeps its default attention.
-        model = cls.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation={"text_config": attention.register()})
+        model = cls.from_pretrained(path, dtype=DTYPES[dtype],
+                                    attn_implementation={"text_config": attention.register()})
         model.to(device).eval()
         self.weights_id = f"{VLM_FAMILY}:{path}:{_fingerprint(path, model)}"
         self.adapter = adapter_class(architecture)(model, self.processor, weights_id=self.weights_id,

@@ -57,7 +57,8 @@ def run_batch_command(args) -> int:
         return asyncio.run(run_file(client, args.input, args.output, args.endpoint, args.concurrency))
     engine, app = _in_process(args)
     try:
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://batch", timeout=None)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                   base_url="http://batch", timeout=None)
         return asyncio.run(run_file(client, args.input, args.output, args.endpoint, args.concurrency))
     finally:
         engine.shutdown()

@@ -39,7 +39,8 @@ class UsageError(Exception):
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    handler = logging.StreamHandler()  # URL secrets (userinfo, tokens in queries) masked in every line: stages/redact.py
+    # URL secrets (userinfo, tokens in queries) masked in every line: stages/redact.py
+    handler = logging.StreamHandler()
     handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
     try:
@@ -71,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(run=_serve)
 
     d = sub.add_parser("demo-models", help="build the demo checkpoints (tiny, random weights, offline)")
-    d.add_argument("dir", nargs="?", type=Path, default=DEFAULT_DEMO_DIR, help=f"output directory (default {DEFAULT_DEMO_DIR})")
+    d.add_argument("dir", nargs="?", type=Path, default=DEFAULT_DEMO_DIR,
+                   help=f"output directory (default {DEFAULT_DEMO_DIR})")
     d.add_argument("--families", nargs="+", default=list(DEMO_FAMILIES), choices=DEMO_FAMILIES)
     d.set_defaults(run=_demo_models)
 

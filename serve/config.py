@@ -34,7 +34,8 @@
     vad = "silero"                # or "energy"
 
     [[voices]]                    # realtime voice models (WS /v1/realtime): served models composed
-    name = "voice"                # the demo has "voice-demo": whisper-tiny-en (or whisper-demo) + llama-demo + vits-demo
+    name = "voice"                # the demo has "voice-demo": whisper-tiny-en (or whisper-demo) + llama-demo
+                                  # + vits-demo
     asr = "whisper-tiny-en"
     chat = "llama"
     tts = "vits"

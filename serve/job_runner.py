@@ -29,7 +29,8 @@ from stages.events import EventKind, StageError
 
 log = logging.getLogger(__name__)
 # What a job that failed on an unexpected exception says: the details go to the log, never to the client (as a 500).
-INTERNAL_JOB_ERROR = {"code": "internal_error", "message": "the job failed inside the server; the error has been logged"}
+INTERNAL_JOB_ERROR = {"code": "internal_error",
+                      "message": "the job failed inside the server; the error has been logged"}
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,8 @@ class JobStore:
 
     # -- files ----------------------------------------------------------------------------
 
-    def add_file(self, tenant: str, purpose: str, filename: str, data: bytes, *, ttl_s: int | None = None) -> StoredFile:
+    def add_file(self, tenant: str, purpose: str, filename: str, data: bytes, *,
+                 ttl_s: int | None = None) -> StoredFile:
         file_id = f"file-{uuid.uuid4().hex}"
         path = self.files_dir / file_id
         write_atomic(path, data)  # the bytes are on disk before the row that names them
@@ -338,8 +339,8 @@ class JobStore:
         for r in self._exec("SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at < ?", (now,)):
             self.delete_file(r["id"])
             dropped += 1
-        for r in self._exec("SELECT id FROM jobs WHERE status='completed' AND expires_at IS NOT NULL AND expires_at < ?",
-                            (now,)):
+        for r in self._exec("SELECT id FROM jobs WHERE status='completed' AND expires_at IS NOT NULL "
+                            "AND expires_at < ?", (now,)):
             for path in self.results_dir.glob(f"{r['id']}.*"):
                 path.unlink(missing_ok=True)
             self.update_job(r["id"], status="expired")

@@ -52,7 +52,8 @@ class Model(BaseModel):
     owned_by: str
     family: str  # extension: sd, sdxl, causal-lm, whisper, ...
     tasks: list[str]  # extension: text-to-image, chat, embeddings, speech-to-text, ...
-    random_weights: bool  # extension: a demo/test checkpoint (noise out); a default only when nothing else does the task
+    # extension: a demo/test checkpoint (noise out); a default only when nothing else does the task
+    random_weights: bool
     voices: list[str] | None = None  # extension: text-to-speech models only
 
 

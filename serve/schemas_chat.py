@@ -194,7 +194,8 @@ def _is_token(value: Any) -> bool:
 
 def _kind(value: Any) -> str:
     if isinstance(value, list):
-        return "an empty list" if not value else "a list holding " + ", ".join(sorted({type(x).__name__ for x in value}))
+        return ("an empty list" if not value
+                else "a list holding " + ", ".join(sorted({type(x).__name__ for x in value})))
     return f"{type(value).__name__} {value!r}"[:80]
 
 

@@ -41,8 +41,8 @@ async def read_edit_json(request: Request) -> EditUpload:
         raise ApiError(400, "send exactly one image in 'images' (a list of {\"image_url\": ...}); these models "
                             "edit one image", param="images", code="invalid_value")
     mask = body.pop("mask", None)
-    return EditUpload(body, _image_reference(images[0], "images"), None if mask is None else _image_reference(mask, "mask"),
-                      image_param="images")
+    return EditUpload(body, _image_reference(images[0], "images"),
+                      None if mask is None else _image_reference(mask, "mask"), image_param="images")
 
 
 def _image_reference(value: Any, param: str) -> str:
@@ -77,7 +77,8 @@ async def read_edit_form(request: Request, *, max_file_bytes: int) -> EditUpload
     for key, value in form.multi_items():
         if isinstance(value, UploadFile):
             if key not in FILE_FIELDS:
-                raise ApiError(400, f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+                raise ApiError(400, f"Unrecognized request argument supplied: {key}", param=key,
+                               code="unknown_parameter")
             files[FILE_FIELDS[key]].append(value)
         elif key in FILE_FIELDS:
             raise ApiError(400, f"'{key}' must be sent as a file part, not a text field", param=FILE_FIELDS[key],

@@ -18,12 +18,14 @@ class Metrics:
                                   ["stage", "model"], buckets=_TIME_BUCKETS, registry=r)
         self.batch_size = Histogram("mmserve_stage_batch_size", "Work items sharing one stage call",
                                     ["stage", "model"], buckets=_BATCH_BUCKETS, registry=r)
-        self.queue_depth = Gauge("mmserve_stage_queue_depth", "Items waiting in a stage queue", ["stage", "model"], registry=r)
+        self.queue_depth = Gauge("mmserve_stage_queue_depth", "Items waiting in a stage queue", ["stage", "model"],
+                                 registry=r)
         self.active = Gauge("mmserve_stage_active_items", "Items a stage is working on", ["stage", "model"], registry=r)
         self.thread_wait = Histogram("mmserve_stage_thread_wait_seconds", "Time a CPU stage worker waited for its "
                                      "torch threads (the shared thread budget) before a batch or loop step",
                                      ["stage", "model"], buckets=_TIME_BUCKETS, registry=r)
-        self.requests = Counter("mmserve_requests_total", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.requests = Counter("mmserve_requests_total", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
         self.graph_requests = Counter("mmserve_graph_requests_total", "Graph requests by model and outcome",
                                       ["model", "outcome"], registry=r)
         self.media_tasks = Counter("mmserve_media_tasks_total", "Media worker tasks by function and outcome",
@@ -46,7 +48,8 @@ class Metrics:
                                 ["model", "state"], registry=r)
         self.llm_prefix_hit_tokens = Gauge("mmserve_llm_prefix_cache_hit_tokens", "Prompt tokens served from the "
                                            "prefix cache", ["model"], registry=r)
-        self.llm_preemptions = Gauge("mmserve_llm_preemptions", "Sequences preempted (recompute)", ["model"], registry=r)
+        self.llm_preemptions = Gauge("mmserve_llm_preemptions", "Sequences preempted (recompute)", ["model"],
+                                     registry=r)
         self.llm_forward_seqs = Histogram("mmserve_llm_forward_sequences", "Sequences in one forward of the llm "
                                           "stage (prefill chunks and decodes)", ["model"], buckets=_BATCH_BUCKETS,
                                           registry=r)
@@ -61,7 +64,8 @@ class Metrics:
         self.graph_padded_rows = Counter("mmserve_graph_padded_rows_total", "Padding rows added to reach a bucket "
                                          "(pad ratio = padded / (rows + padded))", ["stage", "model"], registry=r)
         self.graph_eager = Counter("mmserve_graph_eager_total", "Forwards of a graph-enabled stage run eagerly, by "
-                                   "reason (shape, rows, padding, step_cache)", ["stage", "model", "reason"], registry=r)
+                                   "reason (shape, rows, padding, step_cache)", ["stage", "model", "reason"],
+                                   registry=r)
         self.graph_captures = Counter("mmserve_graph_captures_total", "Buckets captured (warm-up only)",
                                       ["stage", "model"], registry=r)
         self.graph_capture_seconds = Gauge("mmserve_graph_capture_seconds", "Time spent capturing graphs",

@@ -70,7 +70,8 @@ class RequestState:
         return True
 
     def fail(self, error: StageError) -> bool:
-        return self.emit(EventKind.ERROR, code=error.code, message=error.message, param=error.param, status=error.status)
+        return self.emit(EventKind.ERROR, code=error.code, message=error.message, param=error.param,
+                         status=error.status)
 
     def request_cancel(self) -> None:
         self._cancel_requested.set()
@@ -174,5 +175,6 @@ def _outputs_of(event: Event | None, request_id: str) -> dict[str, Any]:
         raise StageError("internal_error", f"request {request_id} ended without a terminal event")
     if event.kind is EventKind.ERROR:
         d = event.data
-        raise StageError(d.get("code", "internal_error"), d.get("message", ""), param=d.get("param"), status=d.get("status", 500))
+        raise StageError(d.get("code", "internal_error"), d.get("message", ""), param=d.get("param"),
+                         status=d.get("status", 500))
     return event.data["outputs"]

@@ -1,4 +1,5 @@
-"""The asr stage with tiny random Whisper checkpoints: tokens equal generate(), batching, windows, streams, conversion."""
+"""The asr stage with tiny random Whisper checkpoints: tokens equal generate(), batching, windows, streams,
+conversion."""
 
 from __future__ import annotations
 
@@ -274,7 +275,8 @@ def test_ct2_conversion_round_trips(engine, tmp_path):
     model, tokenizer = asr.stage.whisper, asr.processor.tokenizer
     src = tmp_path / "ct2"
     src.mkdir()
-    (src / "model.bin").write_bytes(_ct2_bytes(_to_ct2(model), {"decoder/projection/weight": "decoder/embeddings/weight"}))
+    (src / "model.bin").write_bytes(_ct2_bytes(_to_ct2(model),
+                                               {"decoder/projection/weight": "decoder/embeddings/weight"}))
     g = model.generation_config
     (src / "config.json").write_text(json.dumps({"suppress_ids": g.suppress_tokens,
                                                  "suppress_ids_begin": g.begin_suppress_tokens, "alignment_heads": []}))

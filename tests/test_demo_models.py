@@ -22,7 +22,8 @@ DEFAULT_SIZE = {"sd": 64, "sdxl": 64, "sd3": 64, "flux": 512}  # px, square; see
 # SD3 without T5: these two are not optional components, so from_pretrained needs them named.
 LOAD_KWARGS = {"sd3": {"text_encoder_3": None, "tokenizer_3": None}}
 # diffusers' EulerDiscreteScheduler.set_timesteps calls np.array on a torch tensor (numpy 2 deprecation).
-pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword"
+                                        ":DeprecationWarning")
 
 
 def _load(family, path):
@@ -76,7 +77,8 @@ def test_build_is_idempotent_and_rebuilds_on_another_seed(tmp_path):
     assert build_demo_model("sd3", path) == path
     assert weights.stat().st_ino == before.st_ino and weights.stat().st_mtime_ns == before.st_mtime_ns
     build_demo_model("sd3", path, seed=1)
-    assert weights.read_bytes() != (build_demo_model("sd3", tmp_path / "fresh") / weights.relative_to(path)).read_bytes()
+    assert weights.read_bytes() != (build_demo_model("sd3", tmp_path / "fresh")
+                                    / weights.relative_to(path)).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "sd3"]  # no temporary or stale dirs left
 
 

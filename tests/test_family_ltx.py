@@ -118,5 +118,6 @@ def test_encoded_video_decodes_to_the_frames_size_and_fps(engine, fmt):
     (dict(num_inference_steps=500), "num_inference_steps")])
 def test_bad_requests_name_the_field(engine, kwargs, param):
     with pytest.raises(RequestError) as err:
-        engine.submit_video("m", VideoRequest(**(dict(prompt="x", width=SIZE, height=SIZE, num_frames=FRAMES) | kwargs)))
+        engine.submit_video("m", VideoRequest(**(dict(prompt="x", width=SIZE, height=SIZE, num_frames=FRAMES)
+                                                 | kwargs)))
     assert err.value.param == param

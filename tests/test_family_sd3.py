@@ -137,8 +137,8 @@ def test_with_t5_and_dynamic_shifting_equals_diffusers(sd3_path, reference, tmp_
     pipe.set_progress_bar_config(disable=True)
     with running_engine(str(path), name="t5") as eng:
         assert eng.family("t5").pipe.text_encoder_3 is not None
-        ours = eng.submit_image("t5", ImageRequest(prompt="a red bicycle", negative_prompt="blurry", width=96, height=64,
-                                                   num_inference_steps=3, seed=7,
+        ours = eng.submit_image("t5", ImageRequest(prompt="a red bicycle", negative_prompt="blurry", width=96,
+                                                   height=64, num_inference_steps=3, seed=7,
                                                    extra={"max_sequence_length": 40})).result()
     ref = pipe("a red bicycle", negative_prompt="blurry", width=96, height=64, num_inference_steps=3,
                max_sequence_length=40, generator=seeded(7), output_type="np").images

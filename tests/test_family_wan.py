@@ -34,7 +34,8 @@ def paths(tmp_path_factory):
     from pipelines.demo import build_demo_model
 
     root = tmp_path_factory.mktemp("wan-demo")
-    return {"t2v": str(build_demo_model("wan", root / "wan")), "i2v": str(build_demo_model("wan-i2v", root / "wan-i2v"))}
+    return {"t2v": str(build_demo_model("wan", root / "wan")),
+            "i2v": str(build_demo_model("wan-i2v", root / "wan-i2v"))}
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,8 @@ def test_a_reused_idempotency_key_needs_the_same_body(tmp_path):
     assert job.id in e.value.message
     with pytest.raises(IdempotencyKeyReused):
         store.find_by_key("alice", "video", "k", other)
-    assert store.create_job("video", "bob", {}, prefix="video", idempotency_key="k", request_hash=other)[1]  # per tenant
+    # per tenant
+    assert store.create_job("video", "bob", {}, prefix="video", idempotency_key="k", request_hash=other)[1]
 
 
 def test_a_store_made_before_request_hashes_opens_and_keeps_its_keys(tmp_path):

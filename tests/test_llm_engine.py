@@ -89,7 +89,8 @@ def test_preemption_by_recompute_keeps_outputs_exact(checkpoint, reference):
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"request {k} " * 3}], add_generation_prompt=True,
                                        return_dict=False) for k in range(4)]  # short prompts, long outputs
     cfg = model.config
-    block_bytes = 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    block_bytes = (2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads
+                   * (cfg.hidden_size // cfg.num_attention_heads) * 4)
     blocks = max(len(p) + 48 for p in prompts) // 4 + 4  # each fits alone; four growing together do not
     eng = _engine(checkpoint, kv_cache_mb=blocks * block_bytes / 2**20, block_size=4, max_num_batched_tokens=64)
     try:
@@ -152,7 +153,8 @@ def test_list_of_prompts_seeded_equals_each_alone(engine, reference):
 
 
 def test_list_of_prompts_names_the_bad_one(engine):
-    for prompts, code in (([[1, 2], [10**6]], None), ([[1, 2], []], None), ([[3], [1] * 5000], "context_length_exceeded")):
+    for prompts, code in (([[1, 2], [10**6]], None), ([[1, 2], []], None),
+                          ([[3], [1] * 5000], "context_length_exceeded")):
         with pytest.raises(StageError) as err:
             engine.submit_chat("m", ChatRequest(prompts=prompts, params=SamplingParams(max_tokens=1)))
         assert err.value.param == "prompt[1]" and err.value.status == 400

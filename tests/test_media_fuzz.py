@@ -96,7 +96,8 @@ def _media_samples() -> dict[str, tuple[str, bytes]]:
     frames = (np.random.RandomState(1).rand(6, 32, 32, 3) * 255).astype("uint8")
     tone = np.sin(np.linspace(0, 200 * np.pi, 8000)).astype("float32") * 0.5
     out = {f"video/{fmt}": ("video", encode_video(frames, 6, fmt)) for fmt in ("mp4", "webm", "gif")}
-    out.update({f"audio/{fmt}": ("audio", encode_audio(tone, 16000, fmt)) for fmt in ("wav", "mp3", "opus", "flac", "aac")})
+    out.update({f"audio/{fmt}": ("audio", encode_audio(tone, 16000, fmt))
+                for fmt in ("wav", "mp3", "opus", "flac", "aac")})
     return out
 
 
@@ -153,7 +154,8 @@ def _edit(url: str, image: bytes) -> httpx.Response:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(fmt=st.sampled_from(sorted(SAMPLES)), cut=st.floats(0, 0.95), flips=st.lists(st.integers(0, 1 << 20), max_size=4))
+@given(fmt=st.sampled_from(sorted(SAMPLES)), cut=st.floats(0, 0.95),
+       flips=st.lists(st.integers(0, 1 << 20), max_size=4))
 def test_server_answers_bad_uploads_with_4xx(server, fmt, cut, flips):
     data = bytearray(SAMPLES[fmt][: max(1, int(len(SAMPLES[fmt]) * cut))])
     for pos in flips:

@@ -67,7 +67,8 @@ def test_errors_are_the_error_object_and_never_fastapis_422(schema):
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     for method, path, op in _operations(schema):
         responses = op["responses"]
-        assert "422" not in responses or path in ("/v1/videos", "/v1/batches"), f"{method} {path} documents 422"  # 422: idempotency_key_reused
+        # 422: idempotency_key_reused
+        assert "422" not in responses or path in ("/v1/videos", "/v1/batches"), f"{method} {path} documents 422"
         assert "500" in responses, f"{method} {path}"
         for status, response in responses.items():
             if int(status) >= 400 and (method, path, status) != ("GET", "/ready", "503"):
@@ -127,7 +128,8 @@ def test_multipart_bodies_are_described(schema, path, files, required):
     for name in files:
         spelled = form["properties"][name]
         variants = spelled.get("anyOf", [spelled])
-        assert any(v.get("type") == "string" and v.get("format") == "binary" for v in variants), f"{path} {name}: {spelled}"
+        assert any(v.get("type") == "string" and v.get("format") == "binary" for v in variants), \
+            f"{path} {name}: {spelled}"
 
 
 def test_hand_read_json_bodies_come_from_the_route_models(schema):
@@ -139,7 +141,8 @@ def test_hand_read_json_bodies_come_from_the_route_models(schema):
     edit = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     edit_fields = set(components[edit["$ref"].rsplit("/", 1)[1]]["properties"])
     assert edit_fields == set(ImageEditRequest.model_fields) | {"images", "mask"}
-    assert set(_form(schema, "/v1/images/edits")["properties"]) == set(ImageEditRequest.model_fields) | {"image", "mask"}
+    assert set(_form(schema, "/v1/images/edits")["properties"]) == \
+        set(ImageEditRequest.model_fields) | {"image", "mask"}
 
 
 def test_streaming_requests_document_event_streams(schema):
@@ -167,8 +170,10 @@ def test_any_typed_request_fields_are_spelled_out(schema):
 def test_binary_replies_name_their_media_types(schema):
     paths = schema["paths"]
     speech = paths["/v1/audio/speech"]["post"]["responses"]["200"]["content"]
-    assert {"audio/mpeg", "audio/wav", "audio/flac", "audio/ogg", "audio/aac", "audio/pcm", "text/event-stream"} == set(speech)
-    assert set(paths["/v1/videos/{video_id}/content"]["get"]["responses"]["200"]["content"]) == {"video/mp4", "image/jpeg"}
+    assert {"audio/mpeg", "audio/wav", "audio/flac", "audio/ogg", "audio/aac", "audio/pcm",
+            "text/event-stream"} == set(speech)
+    assert set(paths["/v1/videos/{video_id}/content"]["get"]["responses"]["200"]["content"]) == \
+        {"video/mp4", "image/jpeg"}
     assert set(paths["/v1/files/images/{name}"]["get"]["responses"]["200"]["content"]) == \
         {"image/png", "image/jpeg", "image/webp"}
 

@@ -119,7 +119,8 @@ def test_transcripts_in_every_format_match_the_schema(demo_server, published):
     audio = _wav()
     seen = set()
     for fields in ({"response_format": "json"}, {"response_format": "verbose_json"}, {"response_format": "text"},
-                   {"response_format": "srt"}, {"response_format": "vtt"}, {"response_format": "json", "stream": "true"}):
+                   {"response_format": "srt"}, {"response_format": "vtt"},
+                   {"response_format": "json", "stream": "true"}):
         r = httpx.post(f"{demo_server}/v1/audio/transcriptions", files={"file": ("a.wav", audio, "audio/wav")},
                        data={"model": "whisper-tiny-en", **fields}, timeout=120)
         seen.add(_checked(published, "POST", "/v1/audio/transcriptions", r).headers["content-type"].split(";")[0])

@@ -98,7 +98,8 @@ def _run_bounded(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"still running after {BLOCK_TIMEOUT_S} s: {cmd}\n--- stdout\n{out[-2000:]}\n--- stderr\n{err[-4000:]}")
+        pytest.fail(f"still running after {BLOCK_TIMEOUT_S} s: {cmd}\n--- stdout\n{out[-2000:]}"
+                    f"\n--- stderr\n{err[-4000:]}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # what the block left running in its group

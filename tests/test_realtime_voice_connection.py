@@ -132,8 +132,8 @@ def test_resume_replays_exactly_the_missed_events_once(engine):
                "last_received_server_event_seq": last})
         await b.wait(lambda: b.of("error"))
         c, tc = connect(engine, registry, resume_id=created["session"]["id"])
-        c.say({"type": "session.resume", "session_id": created["session"]["id"], "resume_token": created["resume_token"],
-               "last_received_server_event_seq": last})
+        c.say({"type": "session.resume", "session_id": created["session"]["id"],
+               "resume_token": created["resume_token"], "last_received_server_event_seq": last})
         await c.wait(lambda: c.of("response.done") and c.of("rate_limits.updated"))
         c.say({"type": "session.heartbeat"})
         await c.wait(lambda: c.of("session.heartbeat_ack"))
@@ -173,7 +173,8 @@ def test_resume_past_the_journal_asks_for_a_resync_and_grace_expiry(engine):
         fresh_left = len(registry)  # the session opened on connect was dropped
         b.hang_up(1006)
         await ended(tb)
-        reaper.append(asyncio.create_task(reap_until_empty(registry, engine.metrics.rt_voice_sessions, interval_s=0.05)))
+        reaper.append(asyncio.create_task(reap_until_empty(registry, engine.metrics.rt_voice_sessions,
+                                                           interval_s=0.05)))
         await b.wait(lambda: len(registry) == 0)  # the grace period passed: reaped
         c, tc = connect(engine, registry, resume_id=session.id)
         c.say({"type": "session.resume", "session_id": session.id, "resume_token": created["resume_token"],

@@ -228,8 +228,10 @@ def test_barge_in_fences_the_old_response(engine):
         # a chunk of the old epoch that shows up late (a slow TTS worker, say) is dropped at the fence
         stale_before, count_before = len(c.events), sample(engine, "mmserve_realtime_voice_stale_chunks_dropped_total")
         item_id = c.of("response.output_item.added", response_id=r1)[0]["item"]["id"]
-        sent_late = await s.sink_audio(created["response"]["epoch"], OutputChunk(r1, item_id, np.ones(2400, np.float32)))
-        late = (sent_late, len(c.events) - stale_before, sample(engine, "mmserve_realtime_voice_stale_chunks_dropped_total") - count_before)
+        sent_late = await s.sink_audio(created["response"]["epoch"],
+                                       OutputChunk(r1, item_id, np.ones(2400, np.float32)))
+        late = (sent_late, len(c.events) - stale_before,
+                sample(engine, "mmserve_realtime_voice_stale_chunks_dropped_total") - count_before)
         await c.wait_event("response.done", 2)  # the reply to the interrupting turn
         context = await s.context_for(types.SimpleNamespace(params=s._default_params()))
         item = s.conversation.get(item_id)
@@ -241,7 +243,8 @@ def test_barge_in_fences_the_old_response(engine):
     starts = c.of("input_audio_buffer.speech_started")
     assert len(starts) >= 2 and len(c.of("input_audio_buffer.speech_stopped")) >= 1
     cut = c.index(starts[1])
-    old_deltas = [i for i, e in enumerate(events) if e["type"] == "response.output_audio.delta" and e["response_id"] == r1]
+    old_deltas = [i for i, e in enumerate(events)
+                  if e["type"] == "response.output_audio.delta" and e["response_id"] == r1]
     assert old_deltas and max(old_deltas) < cut  # the fence: nothing of the old response after the interruption
     assert all(e["epoch"] == 0 for e in c.of("response.output_audio.delta", response_id=r1))
     done = next(e for e in events if e["type"] == "response.done" and e["response"]["id"] == r1)
@@ -386,7 +389,8 @@ def test_a_manual_turn_transcribes_real_speech(engine):
         assert {"friend", "painted", "kitchen", "table"} <= set(result["transcript"].lower().replace(".", "").split())
     assert c.of("input_audio_buffer.cleared") and c.of("error")[0]["error"]["code"] == "input_audio_buffer_commit_empty"
     assert done["response"]["status"] in ("completed", "incomplete") and c.of("response.output_audio.delta")
-    assert [m["content"] for m in context if m["role"] == "user"][:2] == [completed["transcript"], oneshot["transcript"]]
+    assert [m["content"] for m in context if m["role"] == "user"][:2] == [completed["transcript"],
+                                                                          oneshot["transcript"]]
 
 
 def test_stale_input_audio_is_dropped_by_age(engine):

@@ -46,7 +46,8 @@ def voice_engine(paths: dict[str, str], *, max_output_tokens: int = 24, realtime
     from pipelines.config import EngineConfig, ModelSpec, RealtimeConfig, VoiceSpec
     from pipelines.engine import Engine
 
-    models = (ModelSpec("asr", paths["asr"], family=ASR_FAMILY, asr=AsrConfig() if REAL_ASR else AsrConfig(max_new_tokens=8)),
+    models = (ModelSpec("asr", paths["asr"], family=ASR_FAMILY,
+                        asr=AsrConfig() if REAL_ASR else AsrConfig(max_new_tokens=8)),
               ModelSpec("llama-demo", paths["llama"], family=LLM_FAMILY, llm=LLMConfig(kv_cache_mb=8)),
               ModelSpec("vits-demo", paths["vits"], family="vits"))
     voice = VoiceSpec("voice", asr="asr", chat="llama-demo", tts="vits-demo", max_output_tokens=max_output_tokens,
@@ -136,4 +137,5 @@ class Collector:
         return await asyncio.wait_for(wait(), timeout_s)
 
     async def wait_event(self, kind: str, count: int = 1, **fields) -> dict[str, Any]:
-        return (await self.wait_for(lambda: len(self.of(kind, **fields)) >= count and self.of(kind, **fields)))[count - 1]
+        return (await self.wait_for(lambda: len(self.of(kind, **fields)) >= count
+                                    and self.of(kind, **fields)))[count - 1]

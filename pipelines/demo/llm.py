@@ -66,7 +66,8 @@ def build_chat_model(arch: str, seed: int, scale: str) -> Checkpoint:
                   num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
                   max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
-    config, cls = (LlamaConfig(**common), LlamaForCausalLM) if arch == "llama" else (Qwen2Config(**common), Qwen2ForCausalLM)
+    config, cls = ((LlamaConfig(**common), LlamaForCausalLM) if arch == "llama"
+                   else (Qwen2Config(**common), Qwen2ForCausalLM))
     torch.manual_seed(seed)
     model = cls(config).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -83,7 +83,8 @@ class ImageFamily(DenoiserSpeedups):
 
     def validate(self, request: ImageRequest, limits) -> ImageRequest:
         if request.task.value not in self.tasks:
-            raise RequestError("model", f"model {self.name} does not support {request.task.value}; it supports {list(self.tasks)}")
+            raise RequestError("model", f"model {self.name} does not support {request.task.value}; "
+                                        f"it supports {list(self.tasks)}")
         request = request.validate(size_factor=self.size_factor, default_size=self.default_size,
                                    default_steps=self.default_steps, default_guidance=self.default_guidance,
                                    limits=limits)
@@ -160,7 +161,8 @@ class ImageFamily(DenoiserSpeedups):
         """Image-to-image and inpainting start part-way through the schedule (sets the begin index)."""
         timesteps, steps = view.get_timesteps(steps, req.strength, self.device)
         if steps < 1:
-            raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
+            raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps "
+                                           "leaves no step to run")
         return timesteps
 
     def edit_latents(self, view, req: ImageRequest, timesteps: torch.Tensor, dtype, generator, cfg: bool,

@@ -60,10 +60,12 @@ class FluxFamily(ImageFamily):
         msl = request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= MAX_SEQUENCE_LENGTH:
             raise RequestError("max_sequence_length",
-                               f"max_sequence_length must be an integer between 1 and {MAX_SEQUENCE_LENGTH}; got {msl!r}")
+                               f"max_sequence_length must be an integer between 1 and {MAX_SEQUENCE_LENGTH}; "
+                               f"got {msl!r}")
         cfg = request.extra.get("true_cfg_scale", 1.0)
         if isinstance(cfg, bool) or not isinstance(cfg, (int, float)) or not 0.0 <= cfg <= limits.max_guidance:
-            raise RequestError("true_cfg_scale", f"true_cfg_scale must be between 0 and {limits.max_guidance}; got {cfg!r}")
+            raise RequestError("true_cfg_scale", f"true_cfg_scale must be between 0 and {limits.max_guidance}; "
+                                                 f"got {cfg!r}")
         return request
 
     def uses_negative(self, request: ImageRequest) -> bool:
@@ -76,7 +78,8 @@ class FluxFamily(ImageFamily):
 
     def text_key(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Hashable:
         clip, t5 = self.pipe.tokenizer, self.pipe.tokenizer_2
-        clip_ids = clip(text, padding="max_length", max_length=self.pipe.tokenizer_max_length, truncation=True).input_ids
+        clip_ids = clip(text, padding="max_length", max_length=self.pipe.tokenizer_max_length,
+                        truncation=True).input_ids
         t5_ids = t5(text, padding="max_length", max_length=max_sequence_length, truncation=True).input_ids
         return (tuple(clip_ids), tuple(t5_ids))
 
@@ -130,7 +133,8 @@ class FluxFamily(ImageFamily):
         else:
             timesteps, steps = view.get_timesteps(steps, req.strength, self.device)
             if steps < 1:
-                raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps leaves no step to run")
+                raise RequestError("strength", f"strength {req.strength} with {req.num_inference_steps} steps "
+                                               "leaves no step to run")
             latent_timestep = timesteps[:1].repeat(req.n)
 
         # 2.3 latents of the edits: the input image noised to the first timestep
@@ -158,7 +162,8 @@ class FluxFamily(ImageFamily):
         state["guidance"] = None
         if view.transformer.config.guidance_embeds:
             rows = latents.shape[0] * (2 if cond["cfg"] else 1)
-            state["guidance"] = torch.full([1], req.guidance_scale, device=self.device, dtype=torch.float32).expand(rows)
+            state["guidance"] = torch.full([1], req.guidance_scale, device=self.device,
+                                           dtype=torch.float32).expand(rows)
         state.update(timesteps=timesteps, total=len(timesteps), latents=latents, image_ids=image_ids)
         item.state.update(state)
 

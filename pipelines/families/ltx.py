@@ -68,7 +68,8 @@ class LTXFamily(VideoFamily):
             latents = view.prepare_latents(1, channels, h, w, frames, torch.float32, self.device, generator)
             conditioning_mask = None
         else:
-            image = view.video_processor.preprocess(req.image, height=h, width=w).to(self.device, dtype=cond["embeds"].dtype)
+            image = view.video_processor.preprocess(req.image, height=h, width=w).to(self.device,
+                                                                                     dtype=cond["embeds"].dtype)
             with self._vae_lock:
                 latents, conditioning_mask = view.prepare_latents(image, 1, channels, h, w, frames, torch.float32,
                                                                   self.device, generator)

@@ -65,7 +65,8 @@ class StableDiffusion3Family(ImageFamily):
         msl = request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= MAX_SEQUENCE_LENGTH_LIMIT:
             raise RequestError("max_sequence_length",
-                               f"max_sequence_length must be an integer between 1 and {MAX_SEQUENCE_LENGTH_LIMIT}; got {msl!r}")
+                               f"max_sequence_length must be an integer between 1 and {MAX_SEQUENCE_LENGTH_LIMIT}; "
+                               f"got {msl!r}")
         return request
 
     @staticmethod
@@ -129,7 +130,8 @@ class StableDiffusion3Family(ImageFamily):
         scheduler_kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
             patch = view.transformer.config.patch_size
-            image_seq_len = (req.height // view.vae_scale_factor // patch) * (req.width // view.vae_scale_factor // patch)
+            image_seq_len = ((req.height // view.vae_scale_factor // patch)
+                             * (req.width // view.vae_scale_factor // patch))
             scheduler_kwargs["mu"] = calculate_shift(
                 image_seq_len,
                 scheduler.config.get("base_image_seq_len", 256),

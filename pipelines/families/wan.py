@@ -85,7 +85,8 @@ class WanFamily(VideoFamily):
 
         # 2.1 Wan 2.1 I2V: CLIP embeddings of the reference image
         transformer = view.transformer
-        if req.task is VideoTask.IMAGE_TO_VIDEO and transformer is not None and transformer.config.image_dim is not None:
+        if (req.task is VideoTask.IMAGE_TO_VIDEO and transformer is not None
+                and transformer.config.image_dim is not None):
             state["image_embeds"] = view.encode_image(req.image, self.device).to(self._transformer_dtype)
 
         # 2.2 timesteps
@@ -180,7 +181,8 @@ class WanFamily(VideoFamily):
     def latents_to_video(self, latents: torch.Tensor, items: list[WorkItem]) -> torch.Tensor:
         vae = self.pipe.vae
         latents = latents.to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
+                                                                                            latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
                                                                                                      latents.dtype)
         return vae.decode(latents / inv_std + mean, return_dict=False)[0]

@@ -137,7 +137,8 @@ class VoiceConnection:
         try:
             session = self.registry.resume(sid, token)
         except SessionRefused as exc:
-            await self.socket.send(error_frame(exc.code, exc.message, param="session_id", event_id=event.get("event_id")))
+            await self.socket.send(error_frame(exc.code, exc.message, param="session_id",
+                                               event_id=event.get("event_id")))
             return
         fresh = self.session
         if fresh is not None and fresh is not session:  # the session opened on connect is not wanted: drop it quietly

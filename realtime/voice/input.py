@@ -129,7 +129,8 @@ class VoiceInput:
 
     def commit(self) -> str:
         """The client commits: the pending item's audio is complete. Raises ProtocolError when there is none."""
-        if self.pending_item is None or (self.detector is None and self._buffered < MIN_COMMIT_MS * SAMPLE_RATE // 1000):
+        if self.pending_item is None or (self.detector is None
+                                         and self._buffered < MIN_COMMIT_MS * SAMPLE_RATE // 1000):
             have = self._buffered * 1000 // SAMPLE_RATE if self.detector is None else 0
             raise ProtocolError("input_audio_buffer_commit_empty", f"buffer too small: expected at least "
                                 f"{MIN_COMMIT_MS} ms of audio, but the buffer holds {have} ms")

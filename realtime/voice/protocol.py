@@ -133,7 +133,8 @@ def apply_session_update(config: SessionConfig, session: Any, *, model: str, voi
     known = GA_SESSION_KEYS | BETA_SESSION_KEYS | IGNORED_SESSION_KEYS | {"model", "instructions", "tools"}
     unknown = sorted(set(session) - known)
     if unknown:
-        raise ProtocolError("unknown_parameter", f"unknown session parameter(s) {unknown}", param=f"session.{unknown[0]}")
+        raise ProtocolError("unknown_parameter", f"unknown session parameter(s) {unknown}",
+                            param=f"session.{unknown[0]}")
     values: dict[str, Any] = {}
     if session.get("type", "realtime") != "realtime":
         raise ProtocolError("unsupported_value", f"session.type {session['type']!r} is not served here; use 'realtime'",
@@ -327,7 +328,8 @@ def turn_detection(value: Any, current: TurnDetection | None, where: str) -> Tur
     unknown = sorted(set(value) - {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                                    "interrupt_response", "idle_timeout_ms"})
     if unknown:
-        raise ProtocolError("unknown_parameter", f"unknown {where} parameter(s) {unknown}", param=f"{where}.{unknown[0]}")
+        raise ProtocolError("unknown_parameter", f"unknown {where} parameter(s) {unknown}",
+                            param=f"{where}.{unknown[0]}")
     base = current or TurnDetection()
     values: dict[str, Any] = {}
     if "threshold" in value:
@@ -353,7 +355,8 @@ def session_object(config: SessionConfig, *, session_id: str, model: str) -> dic
     max_tokens_value = config.max_output_tokens
     if config.beta:
         return {"id": session_id, "object": "realtime.session", "model": model,
-                "modalities": list(config.output_modalities) + (["text"] if "audio" in config.output_modalities else []),
+                "modalities": list(config.output_modalities)
+                + (["text"] if "audio" in config.output_modalities else []),
                 "instructions": config.instructions, "voice": config.voice,
                 "input_audio_format": config.input_format.name, "output_audio_format": config.output_format.name,
                 "input_audio_transcription": transcription, "turn_detection": td, "tools": [], "tool_choice": "auto",
@@ -400,5 +403,6 @@ def _number(value: Any, where: str, low: float, high: float) -> float:
 
 def _integer(value: Any, where: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ProtocolError("invalid_value", f"{where} must be an integer in [{low}, {high}]; got {value!r}", param=where)
+        raise ProtocolError("invalid_value", f"{where} must be an integer in [{low}, {high}]; got {value!r}",
+                            param=where)
     return value

@@ -109,7 +109,8 @@ def _item(value: Any, param: str) -> str | list[int] | ImageInput:
             raise RequestError(param, f"{param}.image_url must be {{\"url\": \"<data:, http(s):// or file:// URL>\"}}")
         raise RequestError(param, f"{param} has type {kind!r}; parts must be {{\"type\": \"text\", \"text\": ...}} or "
                                   "{\"type\": \"image_url\", \"image_url\": {\"url\": ...}}")
-    raise RequestError(param, f"{param} must be a string, a list of token ids or an image part; got {type(value).__name__}")
+    raise RequestError(param, f"{param} must be a string, a list of token ids or an image part; "
+                              f"got {type(value).__name__}")
 
 
 async def decode_images(engine, job: EmbeddingRequest) -> None:

@@ -1,4 +1,5 @@
-"""/v1/audio/transcriptions and /v1/audio/translations: parse -> check -> decode -> engine.submit_transcription -> reply.
+"""/v1/audio/transcriptions and /v1/audio/translations: parse -> check -> decode -> engine.submit_transcription
+-> reply.
 
 Multipart as OpenAI defines it: `file` (the audio), `model`, `language` (transcriptions only),
 `prompt`, `temperature`, `response_format` (json | text | srt | vtt | verbose_json),

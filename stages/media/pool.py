@@ -186,7 +186,8 @@ class MediaPool:
                 continue
             started = time.monotonic()
             if self.metrics is not None:
-                self.metrics.queue_age.labels(stage=f"media/{task.fn_name}", model="").observe(started - task.enqueued_at)
+                self.metrics.queue_age.labels(stage=f"media/{task.fn_name}", model="").observe(
+                    started - task.enqueued_at)
             value, error, lost = None, None, False
             for attempt in range(2):  # a second attempt only when the task never reached the worker
                 try:
@@ -243,7 +244,8 @@ class MediaPool:
             return MediaError("media_worker", f"media worker closed its pipe while running {name}")
         if code == -signal.SIGXCPU:
             return MediaError("media_timeout", f"{name} used more than task_cpu_s={self.task_cpu_s} CPU seconds")
-        return MediaError("media_worker", f"media worker died ({_exit_reason(code)}) while running {name}; it was replaced")
+        return MediaError("media_worker",
+                          f"media worker died ({_exit_reason(code)}) while running {name}; it was replaced")
 
     def _finish(self, task: _Task, started: float, value: Any, error: BaseException | None, lost: bool) -> None:
         if self.metrics is not None:

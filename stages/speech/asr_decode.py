@@ -102,7 +102,8 @@ def decode(model, enc: torch.Tensor, prefixes: list[list[int]], *, timestamps: b
            generator: torch.Generator | None = None) -> tuple[list[list[int]], list[list[float]], list[float]]:
     """Decode every window from its prefix (all of one length).
 
-    Returns, per row: its tokens, their log-probabilities, and P(no speech). A row's tokens end with <|endoftext|> unless it ran out of positions or was stopped. With
+    Returns, per row: its tokens, their log-probabilities, and P(no speech). A row's tokens end with <|endoftext|>
+    unless it ran out of positions or was stopped. With
     temperature > 0 tokens are sampled from softmax(scores / temperature) (no top-k / top-p).
     """
     from transformers import DynamicCache, EncoderDecoderCache
