@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config import EngineConfig, ModelSpec
-from pipelines.engine import Engine, image_task
+from pipelines.engine import Engine
 from pipelines.image_request import ImageLimits, ImageRequest
+from pipelines.served import image_task
 from stages.pool import PoolConfig
 from stages.request_state import RequestHandle
 
@@ -32,7 +33,8 @@ class Pipeline:
         name = Path(str(path_or_id)).name or "model"
         pools = {"denoise": PoolConfig(max_batch_size=max_batch_size)}
         spec = ModelSpec(name, str(path_or_id), family=family, device=device, dtype=dtype, pools=pools, **speedups)
-        engine = Engine(EngineConfig(models=(spec,), limits=limits or ImageLimits(), request_timeout_s=request_timeout_s))
+        engine = Engine(EngineConfig(models=(spec,), limits=limits or ImageLimits(),
+                                     request_timeout_s=request_timeout_s))
         engine.start()
         return cls(engine, name, owns_engine=True)
 

@@ -15,8 +15,18 @@ FAMILIES = {
     "wan": "pipelines.families.wan:WanFamily",  # video (pipelines/video.py)
     "ltx": "pipelines.families.ltx:LTXFamily",
 }
-SUPPORTED_FAMILIES: tuple[str, ...] = (*FAMILIES, "causal-lm", "embedding", "clip-embedding", "vlm", "vits", "speecht5",
-                                          "whisper")
+# family name -> "module:Class" of its served model (pipelines/served.py): how the engine loads and runs it.
+SERVED = {
+    **{family: "pipelines.served:ServedDiffusion" for family in FAMILIES},
+    "causal-lm": "pipelines.served:ServedChat",
+    "embedding": "pipelines.served:ServedEmbedding",
+    "clip-embedding": "pipelines.served:ServedEmbedding",
+    "vlm": "pipelines.served:ServedVLM",
+    "vits": "pipelines.served:ServedSpeech",
+    "speecht5": "pipelines.served:ServedSpeech",
+    "whisper": "pipelines.served:ServedTranscription",
+}
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(SERVED)
 # config.json `architectures` served as vision-language chat models (pipelines/vlm.py, encoders/ADAPTERS).
 VLM_ARCHITECTURES = {"LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                      "Qwen2_5_VLForConditionalGeneration"}
@@ -36,16 +46,27 @@ CLASS_NAMES = {
     "StableDiffusionPipeline": "sd", "StableDiffusionImg2ImgPipeline": "sd", "StableDiffusionInpaintPipeline": "sd",
     "StableDiffusionXLPipeline": "sdxl", "StableDiffusionXLImg2ImgPipeline": "sdxl",
     "StableDiffusionXLInpaintPipeline": "sdxl",
-    "StableDiffusion3Pipeline": "sd3", "StableDiffusion3Img2ImgPipeline": "sd3", "StableDiffusion3InpaintPipeline": "sd3",
+    "StableDiffusion3Pipeline": "sd3", "StableDiffusion3Img2ImgPipeline": "sd3",
+    "StableDiffusion3InpaintPipeline": "sd3",
     "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
     "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
 }
 
 
 def family_class(family: str):
-    if family not in FAMILIES:
+    """The diffusion family class (pipelines/families/) of `family`."""
+    return _imported(FAMILIES, family)
+
+
+def served_class(family: str):
+    """The served-model class (pipelines/served.py) that loads and runs a model of `family`."""
+    return _imported(SERVED, family)
+
+
+def _imported(table: dict[str, str], family: str):
+    if family not in table:
         raise ValueError(f"unknown model family {family!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}")
-    module, cls = FAMILIES[family].split(":")
+    module, cls = table[family].split(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -94,7 +115,8 @@ def detect_family(path: str) -> str:
         name = index.get("_class_name", "")
         if name in CLASS_NAMES:
             return CLASS_NAMES[name]
-        raise ValueError(f"{path}: model_index.json names {name!r}, which mmserve does not serve. Supported: {supported}")
+        raise ValueError(f"{path}: model_index.json names {name!r}, which mmserve does not serve. "
+                         f"Supported: {supported}")
     arch = (config or {}).get("architectures") or []
     if any(a in VLM_ARCHITECTURES for a in arch):
         return "vlm"

@@ -13,9 +13,9 @@ from dataclasses import replace
 
 from PIL import Image
 
-from pipelines.engine import REALTIME_VIDEO_TASK, ModelInfo
 from pipelines.image_request import ImageRequest, RequestError, Task
 from pipelines.model_default import default_model
+from pipelines.served import REALTIME_VIDEO_TASK, ModelInfo
 from pipelines.video import VideoRequest
 from realtime.video.protocol import ProtocolError, VideoSettings, parse_size
 

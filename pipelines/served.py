@@ -1,0 +1,305 @@
+"""The served-model contract: what the engine needs of a loaded model, whatever its kind.
+
+A served model is loaded from a `ModelSpec` (`load`), names the stages its pools run (`stages`), says what it
+is (`info`, the /v1/models entry), turns a checked request into the graph and inputs the executor runs
+(`execution`) and warms itself before the server is ready (`warm`). The engine holds one table of them and
+runs every request the same way (`Engine.submit`). pipelines/registry.py maps each family to its class here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+from encoders.cache import EncoderCache
+from pipelines.asr import ASR_FAMILY, ASR_POOL, TranscriptionModel, TranscriptionRequest
+from pipelines.chat import ChatModel, ChatRequest
+from pipelines.config import ModelSpec
+from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
+from pipelines.families.base import ImageFamily
+from pipelines.families.video_base import VideoFamily
+from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
+from pipelines.registry import family_class
+from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
+from pipelines.video import VideoRequest
+from pipelines.vlm import VLM_FAMILY, VLMChatModel
+from stages.diffusion.stages import DenoiseStage, TextEncodeStage, VaeDecodeStage
+from stages.graph import StageGraph
+from stages.llm.params import SamplingParams
+from stages.metrics import Metrics
+from stages.pool import PoolConfig
+from stages.stage import Stage
+
+if TYPE_CHECKING:
+    from pipelines.engine import Engine
+
+REALTIME_VIDEO_TASK = "realtime-video"  # ModelInfo.tasks of a model that serves WS /v1/realtime/video sessions
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str  # the name clients use
+    family: str  # "sd", "sdxl", "sd3", "flux", "causal-lm", "whisper", ...
+    path: str  # checkpoint directory or hub id
+    tasks: tuple[str, ...]  # "text-to-image", "chat", "text-to-speech", ...
+    size_factor: int = 0  # diffusion: width and height must be multiples of this
+    default_size: int = 0  # diffusion: square size used when the request names none
+    voices: tuple[str, ...] = ()  # text-to-speech models: the voice names a request may use
+    video_defaults: dict | None = None  # video models: {"width", "height", "num_frames", "fps", "frame_factor"}
+    random_weights: bool = False  # a demo/test checkpoint: real code path, noise out; never a default when a
+    #                               real-weight model does the task (model_default.py)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """What the executor runs for one request: the graph and the inputs of its first nodes."""
+
+    graph: StageGraph
+    inputs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """What loading a model may use of the engine: its metrics, its caches and its request limits."""
+
+    metrics: Metrics
+    prompt_cache: EncoderCache
+    encoder_cache: EncoderCache
+    limits: ImageLimits
+
+
+class ServedModel(Protocol):
+    name: str
+    info: ModelInfo
+    does: ClassVar[str]  # what it does, for errors: "chat", "make speech", ...
+    kinds: ClassVar[str]  # its kind in the plural, for errors: "chat models", ...
+
+    def stages(self) -> tuple[tuple[str, Stage, PoolConfig | None], ...]:
+        """(kind, stage, default pool config) of each pool the model needs; the pool is named model/kind."""
+        ...
+
+    def execution(self, request: Any) -> Execution:
+        """The request's cheap checks (RequestError naming the field), then what the executor runs."""
+        ...
+
+    def warm(self, engine: Engine) -> None:
+        """Run what must run once before the server is ready (a tiny request, graph capture)."""
+        ...
+
+    def describe(self) -> str:
+        """What the load log line says of it beyond its name, family and path."""
+        ...
+
+
+def chain(model: str, *kinds: str) -> StageGraph:
+    """A linear graph over the model's pools: model/kind for each kind, in order."""
+    return StageGraph.chain(*((kind, f"{model}/{kind}") for kind in kinds))
+
+
+class ServedDiffusion:
+    """An image or video diffusion family: text_encode -> denoise (the loop) -> vae_decode."""
+
+    does, kinds = "generate images or videos", "diffusion models"
+
+    def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
+        cls = family_class(family_name)
+        options = {"video": spec.video} if issubclass(cls, VideoFamily) else {}
+        family: ImageFamily = cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype,
+                                  prompt_cache=ctx.prompt_cache, **options)
+        family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
+        self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
+        tasks = _realtime_video(family_name, family.tasks)
+        if isinstance(family, VideoFamily):
+            (width, height), video = family.request_default_size, family.video_defaults
+            self.info = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor, max(width, height),
+                                  video_defaults=video, random_weights=random_weights)
+        else:
+            self.info = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor, family.default_size,
+                                  random_weights=random_weights)
+
+    def stages(self):
+        return (("text_encode", TextEncodeStage(self.model), None), ("denoise", DenoiseStage(self.model), None),
+                ("vae_decode", VaeDecodeStage(self.model), None))
+
+    def execution(self, request: ImageRequest | VideoRequest) -> Execution:
+        return Execution(chain(self.name, "text_encode", "denoise", "vae_decode"), {"request": self.check(request)})
+
+    def check(self, request: ImageRequest | VideoRequest) -> ImageRequest | VideoRequest:
+        """The request as it will run (defaults filled, a seed drawn), or the field-naming RequestError."""
+        if isinstance(request, VideoRequest):
+            if not isinstance(self.model, VideoFamily):
+                raise RequestError("model", f"model {self.name!r} does not make videos", code="model_not_found",
+                                   status=404)
+            return self.model.validate(request)
+        return self.model.validate(request, self.limits)
+
+    def warm(self, engine: Engine) -> None:
+        """A tiny request, or one per declared graph shape (each captures its buckets); then seal."""
+        info, graphs = self.info, self.graphs
+        if isinstance(self.model, VideoFamily):  # a small video: one latent frame past the first
+            from PIL import Image
+
+            size, frames = info.size_factor, info.video_defaults["frame_factor"] + 1
+            image = None if "text-to-video" in info.tasks else Image.new("RGB", (size, size), (128, 128, 128))
+            for (width, height), num_frames in [(s, f) for s in graphs.sizes or [(size, size)]
+                                                for f in graphs.frames or [frames]]:
+                engine.submit(self.name, VideoRequest(prompt="warm-up", width=width, height=height,
+                                                      num_frames=num_frames, num_inference_steps=2, seed=0,
+                                                      image=image)).result(timeout=600)
+        else:
+            size = info.size_factor * 2
+            for width, height in graphs.sizes or [(size, size)]:
+                engine.submit(self.name, ImageRequest(prompt="warm-up", width=width, height=height,
+                                                      num_inference_steps=1, seed=0)).result(timeout=600)
+        self.model.denoiser.seal()
+
+    def describe(self) -> str:
+        return ", ".join(self.info.tasks)
+
+
+class ServedChat:
+    """A causal LM: the llm stage (continuous batching over paged KV)."""
+
+    does, kinds = "chat", "chat models"
+
+    def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
+        self.name = spec.name
+        self.model: ChatModel = self._load(spec, ctx)
+        self.info = ModelInfo(spec.name, family_name, spec.path, self.tasks, random_weights=random_weights)
+
+    tasks: tuple[str, ...] = ("chat",)
+
+    def _load(self, spec: ModelSpec, ctx: LoadContext) -> ChatModel:
+        return ChatModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.llm,
+                         metrics=ctx.metrics, graphs=spec.graphs, fused_kernels=spec.fused_kernels)
+
+    def stages(self):
+        return (("llm", self.model.stage, None),)
+
+    def execution(self, request: ChatRequest) -> Execution:
+        return Execution(chain(self.name, "llm"), {"request": self.model.generation_request(request)})
+
+    def warm(self, engine: Engine) -> None:
+        params = SamplingParams(temperature=0, max_tokens=1)
+        engine.submit(self.name, ChatRequest(prompt="warm-up", params=params)).result(timeout=600)
+        self.model.runner.capture_graphs()  # every decode bucket, before ready
+
+    def describe(self) -> str:
+        runner = self.model.runner
+        return f"{runner.num_blocks} KV blocks of {runner.kv.block_size} tokens"
+
+
+class ServedVLM(ServedChat):
+    """A vision-language model: vision_encode (through the encoder-output cache) -> llm."""
+
+    tasks = ("chat", "vision-chat")
+
+    def _load(self, spec: ModelSpec, ctx: LoadContext) -> ChatModel:
+        # A reload gets a new weights id (file fingerprint); entries of the old weights are dropped now.
+        ctx.encoder_cache.invalidate(lambda key: key[1].startswith(f"{VLM_FAMILY}:{spec.path}:"))
+        return VLMChatModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.llm, vlm=spec.vlm,
+                            metrics=ctx.metrics, cache=ctx.encoder_cache)
+
+    def stages(self):
+        model = self.model
+        assert isinstance(model, VLMChatModel)
+        return (("vision_encode", model.encode_stage, None), ("llm", model.stage, None))
+
+    def execution_with_media(self, request: ChatRequest, parsed, media) -> Execution:
+        """A request with image or video parts, its media fetched and decoded: vision_encode -> llm."""
+        model = self.model
+        assert isinstance(model, VLMChatModel)
+        generation, tasks = model.generation_request_with_media(request, parsed, media)
+        return Execution(chain(self.name, "vision_encode", "llm"), {"request": generation, "media": tasks})
+
+
+class ServedEmbedding:
+    """A text (or CLIP text and image) embedding model: the embed stage."""
+
+    does, kinds = "embed", "embedding models"
+
+    def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
+        self.name = spec.name
+        self.model = EmbeddingModel(spec.name, spec.path, family_name, device=spec.device, dtype=spec.dtype)
+        self.info = ModelInfo(spec.name, family_name, spec.path, self.model.tasks, random_weights=random_weights)
+
+    def stages(self):
+        return (("embed", self.model.stage, EMBED_POOL),)
+
+    def execution(self, request: EmbeddingRequest) -> Execution:
+        return Execution(chain(self.name, "embed"), {"request": self.model.job(request)})
+
+    def warm(self, engine: Engine) -> None:
+        engine.submit(self.name, EmbeddingRequest(["warm-up"])).result(timeout=600)
+
+    def describe(self) -> str:
+        return f"{self.model.dimension} dimensions, {self.model.max_tokens} tokens"
+
+
+class ServedSpeech:
+    """A text-to-speech model: the tts stage, phrase by phrase."""
+
+    does, kinds = "speak", "text-to-speech models"
+
+    def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
+        self.name = spec.name
+        self.model = SpeechModel(spec.name, spec.path, family_name, device=spec.device, dtype=spec.dtype)
+        self.info = ModelInfo(spec.name, family_name, spec.path, (SPEECH_TASK,), voices=self.model.voices,
+                              random_weights=random_weights)
+
+    def stages(self):
+        return (("tts", self.model.stage, TTS_POOL),)
+
+    def execution(self, request: SpeechRequest) -> Execution:
+        return Execution(chain(self.name, "tts"), {"request": self.model.job(request)})
+
+    def warm(self, engine: Engine) -> None:
+        engine.submit(self.name, SpeechRequest("warm-up")).result(timeout=600)
+
+    def describe(self) -> str:
+        return f"{self.model.sample_rate} Hz, voices {list(self.model.voices)}"
+
+
+class ServedTranscription:
+    """A Whisper model: the asr stage (30 s windows share one decode loop)."""
+
+    does, kinds = "transcribe", "speech recognition models"
+
+    def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
+        self.name = spec.name
+        self.model = TranscriptionModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.asr)
+        self.info = ModelInfo(spec.name, ASR_FAMILY, spec.path, self.model.tasks, random_weights=random_weights)
+
+    def stages(self):
+        return (("asr", self.model.stage, ASR_POOL),)
+
+    def execution(self, request: TranscriptionRequest) -> Execution:
+        return Execution(chain(self.name, "asr"), {"request": self.model.job(request)})
+
+    def warm(self, engine: Engine) -> None:  # one second of silence
+        engine.submit(self.name, TranscriptionRequest(np.zeros(16000, np.float32))).result(timeout=600)
+
+    def describe(self) -> str:
+        return "English-only" if self.model.english_only else "multilingual"
+
+
+# The request type each kind of served model runs (Engine.submit checks the pair).
+REQUESTS: dict[type, type] = {ImageRequest: ServedDiffusion, VideoRequest: ServedDiffusion, ChatRequest: ServedChat,
+                              EmbeddingRequest: ServedEmbedding, SpeechRequest: ServedSpeech,
+                              TranscriptionRequest: ServedTranscription}
+
+
+def image_task(has_image: bool, has_mask: bool) -> Task:
+    if has_mask:
+        return Task.INPAINTING
+    return Task.IMAGE_TO_IMAGE if has_image else Task.TEXT_TO_IMAGE
+
+
+def _realtime_video(family: str, tasks: tuple[str, ...]) -> tuple[str, ...]:
+    """A model's tasks plus realtime-video when it can serve video sessions: SD-family image-to-image
+    (StreamDiffusion-style img2img) and text-to-video families (chunked t2v)."""
+    img2img = family in ("sd", "sdxl") and Task.IMAGE_TO_IMAGE.value in tasks
+    return (*tasks, REALTIME_VIDEO_TASK) if img2img or "text-to-video" in tasks else tasks
+
