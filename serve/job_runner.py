@@ -159,9 +159,7 @@ class JobRunner:
                     elif event.kind is EventKind.FINAL:
                         outputs = event.data["outputs"]
                     elif event.kind is EventKind.ERROR:
-                        d = event.data
-                        raise StageError(d.get("code", "internal_error"), d.get("message", ""),
-                                         param=d.get("param"), status=d.get("status", 500))
+                        raise StageError.from_event(event)
                 if outputs is None:
                     raise StageError("cancelled", "the job was cancelled", status=499)
                 self.store.update_job(job_id, status="finalizing")

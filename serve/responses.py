@@ -121,8 +121,7 @@ async def _sse(request: Request, handle: RequestHandle, params: ImageParams, pre
                         "size": size_string(image), "created_at": now, "usage": _NO_USAGE,
                         "request_id": handle.request_id, "image_index": i, "seed": outputs["seed"], **common})
             elif event.kind is EventKind.ERROR:
-                error = StageError(event.data.get("code", "internal_error"), event.data.get("message", ""),
-                                   param=event.data.get("param"), status=event.data.get("status", 500))
+                error = StageError.from_event(event)
                 yield sse("error", {"type": "error", **error_body(**stage_error_parts(error))})
         yield "data: [DONE]\n\n"
     finally:

@@ -23,7 +23,6 @@ TERMINAL = (EventKind.FINAL, EventKind.ERROR)
 class Event:
     kind: EventKind
     request_id: str
-    generation: int  # attempt number; events of a closed generation never reach the caller
     seq: int  # position in the request's stream, from 0
     stage: str | None = None  # node name that produced it, if any
     data: dict[str, Any] = field(default_factory=dict)  # progress: step/total; final: outputs; error: code/message
@@ -42,6 +41,13 @@ class StageError(Exception):
         self.message = message
         self.param = param
         self.status = status
+
+    @classmethod
+    def from_event(cls, event: Event) -> StageError:
+        """The error an ERROR event carries (its code, message, param and status)."""
+        d = event.data
+        return cls(d.get("code", "internal_error"), d.get("message", ""), param=d.get("param"),
+                   status=d.get("status", 500))
 
 
 class CapacityError(StageError):

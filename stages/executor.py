@@ -120,12 +120,12 @@ class GraphExecutor:
             inputs.update(node.params)
             for dep in node.after:
                 inputs.update(run.state.outputs.get(dep, {}))
-            item = WorkItem(run.state, node.name, inputs, generation=run.state.generation)
+            item = WorkItem(run.state, node.name, inputs)
             self.pools[node.pool].put(item)
 
     def _on_done(self, item: WorkItem, outputs: dict[str, Any]) -> None:
         state = item.request
-        if state.should_stop() or item.generation != state.generation:
+        if state.should_stop():
             self._on_drop(item, None)
             return
         with self._lock:
@@ -136,7 +136,7 @@ class GraphExecutor:
         with self._lock:
             run.done.add(item.node)
         if item.node == run.graph.output:
-            if state.emit(EventKind.FINAL, stage=item.node, generation=item.generation, outputs=outputs):
+            if state.emit(EventKind.FINAL, stage=item.node, outputs=outputs):
                 self.metrics.graph_requests.labels(model=state.model, outcome="ok").inc()
             return
         self._dispatch(run)

@@ -22,7 +22,6 @@ class RequestState:
         self.model = model  # metric label only
         self.deadline = deadline  # time.monotonic() value, or None
         self.created_at = time.monotonic()
-        self.generation = 0
         self.outputs: dict[str, dict[str, Any]] = {}  # node name -> outputs, freed on close
         self._events: list[Event] = []
         self._closed = False
@@ -48,13 +47,12 @@ class RequestState:
         return self._closed or self.cancelled or self.expired()
 
     # -- writing ----------------------------------------------------------------------
-    def emit(self, kind: EventKind, *, stage: str | None = None, generation: int | None = None, **data) -> bool:
-        """Append an event. Dropped (returns False) once closed or if from an old generation."""
+    def emit(self, kind: EventKind, *, stage: str | None = None, **data) -> bool:
+        """Append an event. Dropped (returns False) once the request is closed (a terminal event came)."""
         with self._cond:
-            gen = self.generation if generation is None else generation
-            if self._closed or gen != self.generation:
+            if self._closed:
                 return False
-            event = Event(kind, self.request_id, gen, len(self._events), stage, data)
+            event = Event(kind, self.request_id, len(self._events), stage, data)
             self._events.append(event)
             if event.terminal:
                 self._closed = True
@@ -174,7 +172,5 @@ def _outputs_of(event: Event | None, request_id: str) -> dict[str, Any]:
     if event is None:
         raise StageError("internal_error", f"request {request_id} ended without a terminal event")
     if event.kind is EventKind.ERROR:
-        d = event.data
-        raise StageError(d.get("code", "internal_error"), d.get("message", ""), param=d.get("param"),
-                         status=d.get("status", 500))
+        raise StageError.from_event(event)
     return event.data["outputs"]

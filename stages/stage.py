@@ -17,7 +17,6 @@ class WorkItem:
     request: RequestState  # owner: cancel flag, deadline, event stream
     node: str  # graph node name (also the event's `stage` field)
     inputs: dict[str, Any]  # request parameters plus the outputs of upstream nodes
-    generation: int  # request generation at dispatch; late events of older generations are dropped
     state: dict[str, Any] = field(default_factory=dict)  # stage-private per-request state (latents, scheduler, ...)
     enqueued_at: float = field(default_factory=time.monotonic)
     steps_run: int = 0  # loop stages: steps this item took part in
@@ -28,7 +27,7 @@ class WorkItem:
         return self.request.request_id
 
     def emit(self, kind: EventKind, **data) -> bool:
-        return self.request.emit(kind, stage=self.node, generation=self.generation, **data)
+        return self.request.emit(kind, stage=self.node, **data)
 
     def release(self) -> None:
         """Free per-request state exactly once (tensors, scheduler copies, cache references)."""

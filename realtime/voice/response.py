@@ -207,8 +207,7 @@ class ResponseRunner:
                     for phrase in splitter.feed(text):
                         await self._speak(phrase, phrases)
             elif event.kind is EventKind.ERROR:
-                d = event.data
-                raise StageError(d.get("code", "internal_error"), d.get("message", ""), status=d.get("status", 500))
+                raise StageError.from_event(event)
             elif event.kind is EventKind.FINAL:
                 r.usage = dict(event.data["outputs"].get("usage") or {})
                 choices = event.data["outputs"].get("choices") or [{}]
@@ -260,9 +259,7 @@ class ResponseRunner:
                         await audio.put((phrase, np.asarray(event.data["audio"], np.float32)))
                         phrase = ""  # a phrase the TTS split further: its text goes with its first piece
                     elif event.kind is EventKind.ERROR:
-                        d = event.data
-                        raise StageError(d.get("code", "internal_error"), d.get("message", ""),
-                                         status=d.get("status", 500))
+                        raise StageError.from_event(event)
         finally:
             audio.put_nowait(None)  # the sender ends too (after what it has), whatever happened here
 

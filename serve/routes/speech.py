@@ -144,14 +144,8 @@ async def _first_output(request: Request, handle: RequestHandle, events: AsyncIt
         raise StageError("cancelled", "the client disconnected", status=499)
     event = waiter.result()
     if event.kind is EventKind.ERROR:
-        raise _error_of(event)
+        raise StageError.from_event(event)
     return event
-
-
-def _error_of(event: Event) -> StageError:
-    d = event.data
-    return StageError(d.get("code", "internal_error"), d.get("message", ""), param=d.get("param"),
-                      status=d.get("status", 500))
 
 
 async def _outputs(events: AsyncIterator[Event], first: Event) -> AsyncIterator[Event]:
@@ -194,7 +188,7 @@ async def _sse(handle: RequestHandle, events, first: Event, fmt: str, rate: int)
     try:
         async for data, event in _encoded(events, first, fmt, rate):
             if event.kind is EventKind.ERROR:
-                yield sse("error", {"type": "error", **error_body(**stage_error_parts(_error_of(event)))})
+                yield sse("error", {"type": "error", **error_body(**stage_error_parts(StageError.from_event(event)))})
                 return
             if data:
                 yield sse("speech.audio.delta", {"type": "speech.audio.delta",
