@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
@@ -65,7 +65,7 @@ class GraphConfig:
         return bool(self.batch_sizes)
 
 
-def signature(batched: dict[str, torch.Tensor | None], shared: dict[str, Any]) -> tuple[int, Signature]:
+def signature(batched: Mapping[str, torch.Tensor | None], shared: Mapping[str, Any]) -> tuple[int, Signature]:
     """(rows, named fields) of a call. Per-row inputs share their first axis; None is a field value too."""
     rows = {v.shape[0] for v in batched.values() if v is not None}
     if len(rows) != 1:
@@ -94,6 +94,7 @@ class _Bucket:
             self.graph.replay()
         else:  # the CPU (or any non-CUDA device): the same buffers, run eagerly
             self.output = fn(**self.batched, **self.shared)
+        assert self.output is not None  # the capture set it (a graph's output buffer)
         return self.output
 
 
@@ -101,7 +102,7 @@ class GraphRunner:
     """One callable `fn(**batched, **shared) -> Tensor[rows, ...]` behind declared row buckets."""
 
     def __init__(self, name: str, fn: Callable[..., torch.Tensor], config: GraphConfig, *,
-                 pad_values: dict[str, float] | None = None, observer: GraphObserver | None = None,
+                 pad_values: Mapping[str, float] | None = None, observer: GraphObserver | None = None,
                  pool: Any = None, timing_repeats: int = 2):
         self.name = name  # for logs: "<model>/<denoiser>" or "<model>/decode"
         self.fn = fn
@@ -127,7 +128,8 @@ class GraphRunner:
         return sum(len(b) for b in self._shapes.values())
 
     # -- a call -------------------------------------------------------------------------------
-    def __call__(self, batched: dict[str, torch.Tensor | None], shared: dict[str, Any] | None = None) -> torch.Tensor:
+    def __call__(self, batched: Mapping[str, torch.Tensor | None],
+                 shared: Mapping[str, Any] | None = None) -> torch.Tensor:
         shared = shared or {}
         rows, shape = signature(batched, shared)
         with self._lock:
@@ -156,6 +158,7 @@ class GraphRunner:
             if value is None:
                 continue
             static = bucket.batched[name]
+            assert static is not None  # the same signature: None in the same fields
             static[:rows].copy_(value)
             if rows < bucket.rows and name in self.pad_values:
                 static[rows:].fill_(self.pad_values[name])  # e.g. no KV write, no context

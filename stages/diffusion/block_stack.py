@@ -157,6 +157,7 @@ class StackRun:
                 self.decisions[gi] = decide_interval(state, g.step, forced)
             elif method == "teacache":
                 if indicator is None:
+                    assert spec.indicator is not None  # every family's CacheSpec gives TeaCache its indicator
                     indicator = spec.indicator(args)
                 current = indicator[g.start:g.stop]
                 previous = branch.reference
@@ -175,6 +176,7 @@ class StackRun:
         for gi, g in enumerate(self.groups):
             if self.decisions[gi] is not None:
                 continue
+            assert g.state is not None and self.stack_input is not None  # uncached groups were decided already
             state, branch = g.state, g.state.branches[g.branch]
             p = position[g.start]
             first_out = hidden[p:p + g.stop - g.start]
@@ -232,6 +234,7 @@ class StackRun:
 
     def _base(self, gi: int) -> torch.Tensor:
         g = self.groups[gi]
+        assert self.stack_input is not None  # set when block 0 ran
         return self.bases.get(gi, self.stack_input[g.start:g.stop])
 
     # -- block output formats ---------------------------------------------------------------

@@ -50,7 +50,7 @@ def cfg_euler_step(x: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor | N
         return cfg_euler_step_reference(x, cond, uncond, scale, dt)
     has_uncond = uncond is not None
     x, cond = x.contiguous(), cond.contiguous()
-    uncond = uncond.contiguous() if has_uncond else cond  # unread without HAS_UNCOND
+    uncond = uncond.contiguous() if uncond is not None else cond  # unread without HAS_UNCOND
     out = torch.empty_like(x)
     if x.numel():
         _cfg_euler_kernel[(triton.cdiv(x.numel(), BLOCK),)](

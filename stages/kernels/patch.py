@@ -7,6 +7,8 @@ The swap sets an instance `forward`; the module's weights stay where they are.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -33,18 +35,19 @@ def use_fused_norms(model: nn.Module, *, use_triton: bool | None = None) -> int:
     return patched
 
 
-def _plain_layer_norm(norm: nn.Module) -> bool:
+def _plain_layer_norm(norm: object) -> bool:
     return type(norm) is nn.LayerNorm and not norm.elementwise_affine
 
 
-def _rms_forward(module: nn.Module, use_triton: bool | None):
+def _rms_forward(module: Any, use_triton: bool | None):
+    # `module`: one of LLAMA_STYLE_RMSNORMS (matched by class name), with `weight` and `variance_epsilon`.
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, module.weight, module.variance_epsilon, use_triton=use_triton)
     return forward
 
 
-def _adaln_forward(module: nn.Module, use_triton: bool | None, chunks: int):
-    """AdaLayerNormZero(Single).forward with the norm and the modulation fused."""
+def _adaln_forward(module: Any, use_triton: bool | None, chunks: int):
+    """AdaLayerNormZero(Single).forward with the norm and the modulation fused (`module`: matched by class name)."""
     def forward(x: torch.Tensor, *args, emb: torch.Tensor | None = None, **kwargs):
         if args or kwargs.get("timestep") is not None or kwargs.get("class_labels") is not None:
             raise ValueError("the fused adaLN takes `emb` only (no timestep/class-label embedding)")

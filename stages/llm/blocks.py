@@ -300,6 +300,7 @@ class BlockManager:
             entry = self._entries.get(block_id) if block_id is not None else None
             if entry is None or not entry.matches(namespace, parent_uid, tokens):
                 break  # a miss, or a hash collision: verification failed
+            assert block_id is not None  # an entry was found under it
             hits.append((block_id, h, entry.uid))
             parent_hash, parent_uid = h, entry.uid
         return hits

@@ -114,7 +114,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(
+        return self._tokenizer.decode(  # type: ignore[return-value]  # transformers: str | list[str]; str for one list
             ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
         )
 

@@ -70,6 +70,7 @@ def splice(embeds: torch.Tensor, row: int, start: int, end: int, spans: Sequence
     for span in spans:
         lo, hi = max(span.offset, start), min(span.end, end)
         if lo < hi:
+            assert span.features is not None  # attach_features ran before the prompt's prefill
             embeds[row + lo - start:row + hi - start] = span.features[lo - span.offset:hi - span.offset].to(embeds)
 
 

@@ -292,10 +292,10 @@ def _apply_bias(z: torch.Tensor, params: Sequence[SamplingParams], errors: dict[
         cols += list(p.logit_bias)
         values += list(p.logit_bias.values())
     if rows:
-        r, c, v = _column(rows, z, torch.long), _column(cols, z, torch.long), _column(values, z)
-        z.index_put_((r, c), v, accumulate=True)
+        ri, ci, v = _column(rows, z, torch.long), _column(cols, z, torch.long), _column(values, z)
+        z.index_put_((ri, ci), v, accumulate=True)
         ban = v == LOGIT_BIAS_BAN
-        z[r[ban], c[ban]] = -math.inf
+        z[ri[ban], ci[ban]] = -math.inf
 
 
 def _apply_penalties(
@@ -375,9 +375,9 @@ def _raw_logprobs(
     picked = logprobs.gather(-1, tokens[rows][:, None])[:, 0].tolist()
     width = max(params[r].top_logprobs for r in wanted)
     values, ids = logprobs.sort(dim=-1, descending=True, stable=True) if width else (logprobs, logprobs)
-    values, ids = values[:, :width].tolist(), ids[:, :width].tolist()
+    top_values, top_ids = values[:, :width].tolist(), ids[:, :width].tolist()
     for i, r in enumerate(wanted):
         n = params[r].top_logprobs
         chosen[r] = picked[i]
-        top[r] = list(zip(ids[i][:n], values[i][:n]))
+        top[r] = list(zip(top_ids[i][:n], top_values[i][:n]))
     return chosen, top

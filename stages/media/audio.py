@@ -304,6 +304,7 @@ def _decode_stream(container, stream, info: AudioInfo, limits: AudioDecodeLimits
                 resampler = av.AudioResampler(format="flt", layout="mono", rate=out_rate, options=_DOWNMIX)
                 resampler_input = key
             frame.pts = None  # timestamps are irrelevant here; odd ones must not upset the filter graph
+            assert resampler is not None  # made for the first frame
             out.add(resampler.resample(frame))
     if resampler is not None:
         out.add(resampler.resample(None))

@@ -118,7 +118,7 @@ def _check_request(fmt: str, sample_rate: int, channels: int, bitrate: int | Non
 class _ChunkSink:
     """A write-only file for PyAV: no seek/tell, so muxers write a stream front to back."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._parts: list[bytes] = []
 
     def write(self, data) -> int:
@@ -140,12 +140,14 @@ class _AvEncoder:
         self._file: io.BytesIO | _ChunkSink = io.BytesIO() if seekable else _ChunkSink()
         options = {"page_duration": str(_OGG_PAGE_US)} if muxer == "ogg" else {}
         self._container = av.open(self._file, "w", format=muxer, options=options)
-        self._stream = self._container.add_stream(codec_name, rate=_encode_rate(fmt, codec, sample_rate),
-                                                  layout=self._layout)
+        stream = self._container.add_stream(codec_name, rate=_encode_rate(fmt, codec, sample_rate), layout=self._layout)
+        assert isinstance(stream, av.AudioStream)  # the codecs of _AV_ENCODERS are audio codecs
+        self._stream = stream
         self._lossless = per_channel is None
         if self._lossless:
             self._stream.codec_context.format = "s16"
         else:
+            assert per_channel is not None  # not lossless
             self._stream.codec_context.bit_rate = bitrate or per_channel * channels
         self._container.start_encoding()  # header now: the file is valid even if no audio follows
         self._pts = 0

@@ -125,7 +125,7 @@ def load_source_sync(source: str, policy: FetchPolicy, *,
 async def _getaddrinfo(host: str, port: int) -> list[str]:
     """Every address `host` resolves to (tests replace this to stay off the network)."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return [info[4][0] for info in infos]
+    return [str(info[4][0]) for info in infos]  # the host of an IPv4 or IPv6 sockaddr
 
 
 async def _checked_addresses(host: str, port: int, policy: FetchPolicy) -> list[IPAddress]:

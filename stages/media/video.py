@@ -163,7 +163,9 @@ def decode_all_frames(data: bytes, limits: VideoDecodeLimits = VideoDecodeLimits
         max_kept = math.ceil(info.frame_count / every_nth)
         _check_output(info, max_kept, limits)
         stream, origin = _prepare_decoder(container, limits)
-        kept, times, decoded, packets = [], [], 0, 0
+        kept: list[np.ndarray] = []
+        times: list[float] = []
+        decoded, packets = 0, 0
         try:
             for packet in container.demux(stream):
                 packets += packet.size > 0  # not the final, empty flush packet
@@ -219,6 +221,7 @@ def _read_info(container: av.container.InputContainer, data: bytes, limits: Vide
     fps = float(rate) if rate else 0.0
     if not (math.isfinite(fps) and fps > 0):
         raise MediaError("media_corrupt", f"the video stream declares no frame rate ({rate})")
+    duration: float | None
     if stream.duration and stream.time_base:
         duration = float(stream.duration * stream.time_base)
     elif container.duration:
@@ -338,4 +341,5 @@ def _corrupt(info: VideoInfo, error: Exception) -> MediaError:
 
 
 def _seconds(stream: av.video.stream.VideoStream, pts: int) -> float:
+    assert stream.time_base is not None  # a demuxed stream always has one
     return float(pts * stream.time_base)

@@ -125,7 +125,7 @@ class FragmentedMP4Writer:
 class _ChunkSink:
     """A write-only file for PyAV that hands back what was written since the last drain."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._chunks: list[bytes] = []
 
     def write(self, data: bytes) -> int:
@@ -239,9 +239,10 @@ def _child(data: bytes, *path: str) -> bytes:
     box = data
     for depth, kind in enumerate(path):
         inner = box if depth == 0 else box[8:]
-        box = next((b for k, b in _boxes(inner) if k == kind), None)
-        if box is None:
+        found = next((b for k, b in _boxes(inner) if k == kind), None)
+        if found is None:
             raise ValueError(f"no {'/'.join(path)} box in the encoded segment")
+        box = found
     return box
 
 

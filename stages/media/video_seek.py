@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import collections
 import math
+from typing import Iterator
 
 import av
 
@@ -79,17 +80,19 @@ class SeekCursor:
                  fps: float):
         self.container, self.stream = container, stream
         self.codec_context = stream.codec_context
-        self.packets = None  # demux iterator since the last seek; None before the first
+        # demux iterator since the last seek; None before the first
+        self.packets: Iterator[av.Packet[av.video.stream.VideoStream]] | None = None
         self.pending: collections.deque = collections.deque()  # frames decoded from the last packet
         self.last = None  # the last frame pulled (a VideoFrame)
         self.frames_decoded = 0  # frames the decoder gave back
         self.packets_decoded = 0  # packets fed to it: the difference is mostly frames it skipped
         self.seeks = 0
-        self.resume_dts = None  # decode time of the first packet since the last seek
+        self.resume_dts: int | None = None  # decode time of the first packet since the last seek
         self._keyframes: list[int] | None = None  # keyframe timestamps from the container index, sorted
         self._may_skip = nonref_skip_policy(self.codec_context)  # None: this decoder never skips
         self._skipping = False  # the decoder's skip_frame is NONREF now
         margin_frames = max(SKIP_MARGIN_MIN_FRAMES, min(self.codec_context.reorder_depth, 16))  # H.264 allows 16
+        assert stream.time_base is not None  # a demuxed stream always has one
         self._margin = math.ceil(margin_frames / fps / float(stream.time_base))  # in stream ticks
 
     def seek(self, pts: int) -> None:
@@ -127,6 +130,7 @@ class SeekCursor:
         Non-reference frames shown before threshold - margin are skipped, not decoded.
         """
         skip_below = threshold - self._margin if self._may_skip else -math.inf
+        assert self.packets is not None  # a seek comes first
         while self.last is None or self.last.pts is None or self.last.pts < threshold:
             while not self.pending:
                 packet = next(self.packets, None)

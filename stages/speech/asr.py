@@ -11,7 +11,7 @@ stopped request's rows leave the loop at the next step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -39,6 +39,13 @@ class AsrJob:
 class _Row:
     item: int  # index of its work item in the batch
     window: int  # index of its window in that item's job
+
+
+def _emit_delta(item: WorkItem) -> Callable[[str], None]:
+    """A streaming request's transcript deltas, as events of its work item."""
+    def emit(text: str) -> None:
+        item.emit(EventKind.DELTA, text=text)
+    return emit
 
 
 class AsrStage(Stage):
@@ -71,8 +78,7 @@ class AsrStage(Stage):
         jobs: list[AsrJob] = [item.inputs["request"] for item in items]
         # 1. every window of every request, and a delta stream for each streaming request
         rows = [_Row(i, w) for i, job in enumerate(jobs) for w in range(len(job.windows))]
-        streams = {i: TranscriptStream(len(job.windows), self.text_of, self.tokens.eot,
-                                       lambda text, item=items[i]: item.emit(EventKind.DELTA, text=text))
+        streams = {i: TranscriptStream(len(job.windows), self.text_of, self.tokens.eot, _emit_delta(items[i]))
                    for i, job in enumerate(jobs) if job.stream}
         decoded: dict[_Row, DecodedWindow] = {}
         # 2. chunks of up to max_windows windows: features, encoder, then one token loop per prefix length
@@ -127,7 +133,12 @@ class AsrStage(Stage):
             return ["en"] * len(chunk)
         unknown = [k for k, r in enumerate(chunk) if jobs[r.item].language is None]
         detected = dict(zip(unknown, detect_languages(self.whisper, enc[unknown], self.tokens))) if unknown else {}
-        return [self.languages[detected[k]] if k in detected else jobs[r.item].language for k, r in enumerate(chunk)]
+        codes: list[str] = []
+        for k, r in enumerate(chunk):
+            code = self.languages[detected[k]] if k in detected else jobs[r.item].language
+            assert code is not None  # windows of requests without a language were detected
+            codes.append(code)
+        return codes
 
     def _transcript(self, i: int, job: AsrJob, decoded: dict[_Row, DecodedWindow]) -> dict[str, Any]:
         """Outputs: {"text", "segments": [Segment], "language", "duration", "windows": [DecodedWindow]}."""

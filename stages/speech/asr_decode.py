@@ -54,6 +54,7 @@ class WhisperTokens:
         """<|startoftranscript|> [<|lang|> <|task|>] [<|notimestamps|>], as generate builds them."""
         tokens = [self.sot]
         if self.languages:  # multilingual: the language and the task are part of the prompt
+            assert language is not None  # given or detected for a multilingual model
             tokens += [language, self.tasks[task]]
         if not timestamps:
             tokens.append(self.no_timestamps)
@@ -80,13 +81,14 @@ def detect_languages(model, enc: torch.Tensor, tokens: WhisperTokens) -> list[in
 def logits_processors(model, begin_index: int, timestamps: bool, device) -> list:
     """generate()'s processors for Whisper, in its order (each is prepended to the list there)."""
     from transformers.generation.logits_process import (
+        LogitsProcessor,
         SuppressTokensAtBeginLogitsProcessor,
         SuppressTokensLogitsProcessor,
         WhisperTimeStampLogitsProcessor,
     )
 
     g = model.generation_config
-    processors = []
+    processors: list[LogitsProcessor] = []
     if g.begin_suppress_tokens:
         processors.append(SuppressTokensAtBeginLogitsProcessor(g.begin_suppress_tokens, begin_index, device=device))
     if g.suppress_tokens:

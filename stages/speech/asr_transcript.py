@@ -55,7 +55,8 @@ def compression_ratio(text: str) -> float:
     return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
-def window_spans(tokens: tuple[int, ...], timestamp_begin: int, eot: int) -> list[tuple[float | None, float | None, list[int]]]:
+def window_spans(tokens: tuple[int, ...], timestamp_begin: int,
+                 eot: int) -> list[tuple[float | None, float | None, list[int]]]:
     """A window's tokens -> (start, end, text token positions) spans in window time; None where no timestamp says."""
     spans: list[tuple[float | None, float | None, list[int]]] = []
     start: float | None = None
@@ -87,9 +88,9 @@ def window_segments(decoded: DecodedWindow, window: AudioWindow, *, timestamps: 
     if timestamps:
         spans = window_spans(decoded.tokens, timestamp_begin, eot)
     else:
-        text = [i for i, t in enumerate(decoded.tokens) if t < timestamp_begin and t != eot]
-        spans = [(0.0, None, text)] if text else []
-    segments = []
+        kept = [i for i, t in enumerate(decoded.tokens) if t < timestamp_begin and t != eot]
+        spans = [(0.0, None, kept)] if kept else []
+    segments: list[Segment] = []
     for start, end, positions in spans:
         ids = [decoded.tokens[i] for i in positions]
         text = text_of(ids)
@@ -143,7 +144,9 @@ class TranscriptStream:
             if not done:
                 parts.append(self._text_of(self._tokens[k]))
                 break
-            parts.append(self._texts[k])
+            text = self._texts[k]
+            assert text is not None  # set when the window finished
+            parts.append(text)
         return "".join(parts).lstrip()
 
     def _flush(self, *, final: bool) -> None:
