@@ -90,7 +90,9 @@ class TranscriptionModel:
         self.name = name
         self.config = config
         self.processor = WhisperProcessor.from_pretrained(path)
-        model = WhisperForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+        # transformers' PreTrainedModel.to is @wraps-decorated: to mypy its first argument is `self`
+        model = WhisperForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, dtype)).to(
+            device).eval()  # type: ignore[arg-type]
         self.stage = AsrStage(name, model, self.processor, max_windows=config.max_windows,
                               max_new_tokens=config.max_new_tokens, encoder_batch=config.encoder_batch)
         self.english_only = not self.stage.tokens.languages

@@ -75,7 +75,8 @@ def checked_message(message: Any, i: int) -> tuple[str, str, Any]:
 def parse_messages(messages: Any, config: VLMConfig) -> ParsedChat:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "messages must hold at least one message")
-    out, media = [], []
+    out: list[dict[str, Any]] = []
+    media: list[MediaPart] = []
     for i, message in enumerate(messages):
         where, role, content = checked_message(message, i)
         if isinstance(content, list):
@@ -119,7 +120,8 @@ def _part(part: Any, where: str, role: str, media: list[MediaPart]) -> dict[str,
         if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps)
                                 or fps <= 0):
             raise RequestError(f"{where}.video_url.fps", f"{where}.video_url.fps must be a number > 0; got {fps!r}")
-        if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1):
+        if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)
+                                       or max_frames < 1):
             raise RequestError(f"{where}.video_url.max_frames", f"{where}.video_url.max_frames must be an integer "
                                f">= 1; got {max_frames!r}")
         media.append(MediaPart("video", body["url"], f"{where}.video_url.url", fps=fps, max_frames=max_frames))

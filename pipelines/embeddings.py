@@ -12,11 +12,15 @@ refused; `usage.prompt_tokens` counts the tokens the model read, special tokens 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipelines.image_request import RequestError
 from stages.embedding import EmbeddingJob, EmbeddingStage, EmbedInput, ForwardBudget
 from stages.pool import PoolConfig
+
+if TYPE_CHECKING:
+    from encoders.image_embedding import ClipEncoder
+    from encoders.text_embedding import SentenceEncoder
 
 EMBEDDING_FAMILY = "embedding"
 CLIP_EMBEDDING_FAMILY = "clip-embedding"
@@ -65,6 +69,7 @@ class EmbeddingModel:
 
     def __init__(self, name: str, path: str, family: str, *, device: str = "cpu", dtype: str = "float32",
                  limits: EmbeddingLimits = EmbeddingLimits(), budget: ForwardBudget = ForwardBudget()):
+        encoder_cls: type[SentenceEncoder] | type[ClipEncoder]
         if family == EMBEDDING_FAMILY:
             from encoders.text_embedding import SentenceEncoder as encoder_cls
         elif family == CLIP_EMBEDDING_FAMILY:

@@ -48,7 +48,7 @@ class PhraseSplitter:
         return self._take(final=True)
 
     def _take(self, final: bool) -> list[str]:
-        out = []
+        out: list[str] = []
         while True:
             self._buffer = self._buffer.lstrip()
             limit = self.limits.first_max_chars if self._emitted == 0 else self.limits.max_chars

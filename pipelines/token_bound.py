@@ -51,7 +51,7 @@ def _normalizer_factor(spec: dict[str, Any] | None) -> int | None:
         if pattern is None or not content:
             return None  # a regex, or a deletion
         return max(1, -(-len(pattern) // len(content)))
-    return _KEEPS.get(kind)
+    return _KEEPS.get(kind) if kind is not None else None
 
 
 def _keeps_text(spec: dict[str, Any] | None) -> bool:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pipelines.image_request import RequestError
 from pipelines.phrases import PhraseLimits, split_phrases
 from stages.pool import PoolConfig
-from stages.speech.tts import Phrase, SpeechJob, TtsStage
+from stages.speech.tts import Phrase, Speaker, SpeechJob, TtsStage
 
 VITS_FAMILY = "vits"
 SPEECHT5_FAMILY = "speecht5"
@@ -64,11 +65,18 @@ def checkpoint_dir(path: str) -> Path:
     return Path(snapshot_download(path, local_files_only=True))
 
 
+class SpeakerLoader(Protocol):
+    """A TTS family's speaker class (VitsSpeaker, SpeechT5Speaker): a checkpoint -> its Speaker."""
+
+    def __call__(self, path: str, *, device: str = ..., dtype: str = ...) -> Speaker: ...
+
+
 class SpeechModel:
     """A loaded TTS model: its speaker (family adapter), voices, limits and the tts stage that runs it."""
 
     def __init__(self, name: str, path: str, family: str, *, device: str = "cpu", dtype: str = "float32",
                  limits: SpeechLimits = SpeechLimits()):
+        speaker_cls: SpeakerLoader
         if family == VITS_FAMILY:
             from pipelines.tts_vits import VitsSpeaker as speaker_cls
         elif family == SPEECHT5_FAMILY:

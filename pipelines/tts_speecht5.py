@@ -50,8 +50,11 @@ class SpeechT5Speaker:
                              "(e.g. the files of microsoft/speecht5_hifigan)")
         self.device = torch.device(device)
         torch_dtype = getattr(torch, dtype)
-        self.model = SpeechT5ForTextToSpeech.from_pretrained(root, dtype=torch_dtype).to(self.device).eval()
-        self.vocoder = SpeechT5HifiGan.from_pretrained(root / VOCODER_DIR, dtype=torch_dtype).to(self.device).eval()
+        # transformers' PreTrainedModel.to is @wraps-decorated: to mypy its first argument is `self`
+        self.model = SpeechT5ForTextToSpeech.from_pretrained(root, dtype=torch_dtype).to(
+            self.device).eval()  # type: ignore[arg-type]
+        self.vocoder = SpeechT5HifiGan.from_pretrained(root / VOCODER_DIR, dtype=torch_dtype).to(
+            self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = SpeechT5Tokenizer.from_pretrained(root)
         self.sample_rate: int = int(self.vocoder.config.sampling_rate)
         self.generation = _read_generation(root)

@@ -33,7 +33,9 @@ class VitsSpeaker:
 
         root = checkpoint_dir(path)
         self.device = torch.device(device)
-        self.model = VitsModel.from_pretrained(root, dtype=getattr(torch, dtype)).to(self.device).eval()
+        # transformers' PreTrainedModel.to is @wraps-decorated: to mypy its first argument is `self`
+        self.model = VitsModel.from_pretrained(root, dtype=getattr(torch, dtype)).to(
+            self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = VitsTokenizer.from_pretrained(root)
         if getattr(self.tokenizer, "phonemize", False):
             raise ValueError(f"{path}: its VitsTokenizer phonemizes with espeak (phonemize=True); mmserve serves "

@@ -66,10 +66,9 @@ def build_chat_model(arch: str, seed: int, scale: str) -> Checkpoint:
                   num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
                   max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
-    config, cls = ((LlamaConfig(**common), LlamaForCausalLM) if arch == "llama"
-                   else (Qwen2Config(**common), Qwen2ForCausalLM))
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
     torch.manual_seed(seed)
-    model = cls(config).eval()
+    model = (LlamaForCausalLM(config) if isinstance(config, LlamaConfig) else Qwen2ForCausalLM(config)).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return Checkpoint(model, tokenizer)

@@ -20,6 +20,7 @@ import json
 import math
 import tempfile
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -28,7 +29,7 @@ from pipelines.demo.llm import Checkpoint
 VITS_CHARS = ["_", " ", "'", "-", *map(chr, range(ord("a"), ord("z") + 1)), *"0123456789"]  # "_" (id 0): the blank
 VITS_VOICES = {"alloy": 0, "echo": 1}
 # "small": a heavier VITS for benchmarks, so that compute (not overhead) dominates as in a real one
-_VITS_SIZES = {
+_VITS_SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=32, num_hidden_layers=2, ffn_dim=64, upsample_initial_channel=32,
                  resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]]),
     "small": dict(hidden_size=96, num_hidden_layers=4, ffn_dim=192, upsample_initial_channel=128,
@@ -39,10 +40,16 @@ _SPM_TEXT = ["The quick brown fox jumps over the lazy dog.", "THE QUICK BROWN FO
              "0123456789, 'quoted' - (parens); colon: question? exclamation! \"double\""]
 
 
+class SavesPretrained(Protocol):
+    """A part of a bundle: a Checkpoint, a transformers model or tokenizer."""
+
+    def save_pretrained(self, save_directory: Path, /) -> object: ...
+
+
 class TtsBundle:
     """Components saved together like a hub checkpoint: sub-folders and extra files."""
 
-    def __init__(self, parts: dict[str, object], files: dict[str, bytes]):
+    def __init__(self, parts: dict[str, SavesPretrained], files: dict[str, bytes]):
         self.parts = parts  # relative folder ("" = the root) -> object with save_pretrained
         self.files = files  # relative file name -> contents
 

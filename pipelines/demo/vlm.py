@@ -12,6 +12,8 @@ parts), saved with `save_pretrained` so it reloads through the real `from_pretra
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pipelines.demo.llm import Checkpoint, chat_tokenizer
@@ -26,8 +28,8 @@ LLAVA_TEMPLATE = _TEMPLATE.replace("IMAGE", "<image>").replace("VIDEO", "")
 QWEN_TEMPLATE = (_TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
                  .replace("VIDEO", "<|vision_start|><|video_pad|><|vision_end|>"))
 QWEN_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-_TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-             max_position_embeddings=2048, bos_token_id=None)
+_TEXT: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, max_position_embeddings=2048, bos_token_id=None)
 
 
 def _tokenizer(special: list[str]):
@@ -58,7 +60,9 @@ def build_llava(seed: int = 0) -> Checkpoint:
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                               image_size=32, patch_size=8, projection_dim=32)
     text = LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **_TEXT)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+    # image_token_id: LlavaConfig's attribute_map alias of image_token_index, unknown to its typed __init__
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_id=tok.convert_tokens_to_ids("<image>"),  # type: ignore[call-arg]
                          vision_feature_layer=-2, vision_feature_select_strategy="default", tie_word_embeddings=False)
     model = _seeded_model(LlavaForConditionalGeneration, config, seed, tok)
     images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
@@ -79,6 +83,7 @@ def build_qwen2_5_vl(seed: int = 0, *, v2: bool = False) -> Checkpoint:
                                             ("Config", "ForConditionalGeneration", "Processor"))
     tok = _tokenizer(QWEN_SPECIAL)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    vision: dict[str, Any]
     if v2:
         vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2)
@@ -94,7 +99,7 @@ def build_qwen2_5_vl(seed: int = 0, *, v2: bool = False) -> Checkpoint:
                               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     model = _seeded_model(model_cls, config, seed, tok)
-    budget = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16)  # 4..16 tokens an image or frame pair
+    budget: dict[str, Any] = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16)  # 4..16 tokens an image or frame pair
     processor = processor_cls(image_processor=Qwen2VLImageProcessor(**budget), tokenizer=tok,
                                     video_processor=Qwen2VLVideoProcessor(**budget, cap_pixels_per_frame=False),
                                     chat_template=QWEN_TEMPLATE)

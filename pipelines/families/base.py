@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import threading
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import numpy as np
 import torch
@@ -23,13 +23,21 @@ from pipelines.image_request import ImageRequest, RequestError, Task
 from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
 
+if TYPE_CHECKING:
+    from pipelines.video import VideoTask
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class ImageFamily(DenoiserSpeedups):
+    """An image family; also the base of the video families (pipelines/families/video_base.py), which serve
+    VideoRequests: where the two differ (default_size, validate's result, conditioning's request), the
+    annotations here are Any. Satisfies stages.diffusion.stages.DiffusionAdapter."""
+
     family: str = ""  # short name used in config and detection ("sd", "sdxl", ...)
     class_names: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads
-    pipeline_classes: dict[Task, type] = {}  # diffusers pipelines per task, sharing components
+    # diffusers pipelines per task, sharing components (type[Any]: mypy sees diffusers' lazy exports as dummies)
+    pipeline_classes: dict[Task, type[Any]] = {}
     default_steps: int = 50
     default_guidance: float = 7.5
     load_kwargs: dict[str, Any] = {}  # extra from_pretrained arguments
@@ -46,7 +54,7 @@ class ImageFamily(DenoiserSpeedups):
         base.set_progress_bar_config(disable=True)
         base.to(self.device)
         # The variants share the same module objects: no extra weights in memory.
-        self.pipes = {Task.TEXT_TO_IMAGE: base}
+        self.pipes: dict[Task | VideoTask, Any] = {Task.TEXT_TO_IMAGE: base}
         for task, cls in self.pipeline_classes.items():
             if task is not Task.TEXT_TO_IMAGE:
                 params = inspect.signature(cls.__init__).parameters
@@ -78,10 +86,12 @@ class ImageFamily(DenoiserSpeedups):
         return self.vae_scale_factor
 
     @property
-    def default_size(self) -> int:
+    def default_size(self) -> Any:
+        """An image family's default width and height (an int); a video family's (width, height)."""
         raise NotImplementedError
 
-    def validate(self, request: ImageRequest, limits) -> ImageRequest:
+    def validate(self, request: ImageRequest, limits) -> Any:
+        """The request checked and completed (an ImageRequest; a video family's: a VideoRequest)."""
         if request.task.value not in self.tasks:
             raise RequestError("model", f"model {self.name} does not support {request.task.value}; "
                                         f"it supports {list(self.tasks)}")
@@ -97,7 +107,7 @@ class ImageFamily(DenoiserSpeedups):
         base = self.pipe.scheduler
         return type(base).from_config(base.config)
 
-    def view(self, task: Task, scheduler):
+    def view(self, task: Task | VideoTask, scheduler):
         """A shallow copy of the task's pipeline whose scheduler belongs to one request."""
         view = copy.copy(self.pipes[task])
         object.__setattr__(view, "scheduler", scheduler)  # bypass register_to_config: the view is private
@@ -107,6 +117,7 @@ class ImageFamily(DenoiserSpeedups):
         """A request's parameters and conditioning, and its private scheduler, pipeline view and generator."""
         req: ImageRequest = item.inputs["request"]
         scheduler = self.new_scheduler()
+        assert req.seed is not None  # validate() drew one
         return req, item.inputs["cond"], scheduler, self.view(req.task, scheduler), self.generator(req.seed)
 
     def generator(self, seed: int) -> torch.Generator:
@@ -122,11 +133,13 @@ class ImageFamily(DenoiserSpeedups):
         """Embeddings of one prompt, batch size 1, no guidance."""
         raise NotImplementedError
 
-    def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
-        """Per-request conditioning for the denoiser (guidance halves, repeated n times)."""
+    def conditioning(self, prompt: dict, negative: dict | None, request: Any) -> dict[str, Any]:
+        """Per-request conditioning for the denoiser (guidance halves, repeated n times); `request`: the family's
+        ImageRequest or VideoRequest."""
         raise NotImplementedError
 
     def uses_negative(self, request: ImageRequest) -> bool:
+        assert request.guidance_scale is not None  # validate() filled it
         return request.guidance_scale > 1.0
 
     def text_options(self, request: ImageRequest) -> dict[str, Any]:
@@ -154,8 +167,25 @@ class ImageFamily(DenoiserSpeedups):
             out.append({"cond": self.conditioning(prompt, self.negative(req, prompt, options), req)})
         return out
 
+    # -- denoise: each family's loop body (the DiffusionAdapter contract) ---------------------
+    def prepare(self, item: WorkItem) -> None:
+        """denoise start: the request's scheduler, timesteps and initial latents into item.state."""
+        raise NotImplementedError
+
+    def denoise_key(self, item: WorkItem) -> Hashable:
+        """Items with equal keys share one denoiser forward."""
+        raise NotImplementedError
+
+    def forward(self, items: list[WorkItem]) -> list[Any]:
+        """One batched denoiser call over items that may sit at different timesteps."""
+        raise NotImplementedError
+
+    def commit(self, item: WorkItem, model_output: Any) -> None:
+        """Guidance and the scheduler step for one item; advances item.state['i']."""
+        raise NotImplementedError
+
     # -- prepare helpers shared by the families ------------------------------------------------
-    mask_batch_args = ("n",)  # how the family's prepare_mask_latents takes the batch: ("n",) or (1, "n")
+    mask_batch_args: tuple[int | str, ...] = ("n",)  # how prepare_mask_latents takes the batch: ("n",) or (1, "n")
 
     def strength_timesteps(self, view, req: ImageRequest, steps: int) -> torch.Tensor:
         """Image-to-image and inpainting start part-way through the schedule (sets the begin index)."""

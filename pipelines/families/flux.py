@@ -108,6 +108,7 @@ class FluxFamily(ImageFamily):
         dtype = cond["embeds"].dtype
         channels = view.transformer.config.in_channels // 4
         h, w = req.height, req.width
+        assert h is not None and w is not None  # validate() filled them
         state: dict[str, Any] = {"scheduler": scheduler, "decode_extras": {"height": h, "width": w}}
 
         # 2.1 latents of text-to-image come before the timesteps (the pipeline's order)
@@ -116,7 +117,8 @@ class FluxFamily(ImageFamily):
 
         # 2.2 timesteps: flow-matching sigmas, shifted by mu from the image's token count
         steps = req.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / steps, steps)
+        assert steps is not None  # validate() filled it
+        sigmas: np.ndarray | None = np.linspace(1.0, 1 / steps, steps)
         if req.task is Task.TEXT_TO_IMAGE and getattr(scheduler.config, "use_flow_sigmas", False):
             sigmas = None
         image_seq_len = (int(h) // view.vae_scale_factor // 2) * (int(w) // view.vae_scale_factor // 2)
@@ -127,7 +129,9 @@ class FluxFamily(ImageFamily):
             scheduler.config.get("base_shift", 0.5),
             scheduler.config.get("max_shift", 1.15),
         )
-        timesteps, steps = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        # diffusers annotates sigmas as list[float]; its own Flux pipeline passes this numpy array
+        timesteps, steps = retrieve_timesteps(scheduler, steps, self.device,
+                                              sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
         if req.task is Task.TEXT_TO_IMAGE:
             scheduler.set_begin_index(0)
         else:
@@ -162,6 +166,7 @@ class FluxFamily(ImageFamily):
         state["guidance"] = None
         if view.transformer.config.guidance_embeds:
             rows = latents.shape[0] * (2 if cond["cfg"] else 1)
+            assert req.guidance_scale is not None  # validate() filled it
             state["guidance"] = torch.full([1], req.guidance_scale, device=self.device,
                                            dtype=torch.float32).expand(rows)
         state.update(timesteps=timesteps, total=len(timesteps), latents=latents, image_ids=image_ids)

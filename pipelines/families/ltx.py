@@ -81,8 +81,9 @@ class LTXFamily(VideoFamily):
         mu = calculate_shift(grid[0] * grid[1] * grid[2], scheduler.config.get("base_image_seq_len", 256),
                              scheduler.config.get("max_image_seq_len", 4096), scheduler.config.get("base_shift", 0.5),
                              scheduler.config.get("max_shift", 1.15))
+        # diffusers annotates sigmas as list[float]; its own LTX pipeline passes a numpy array
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, None,
-                                          sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+                                          sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)  # type: ignore[arg-type]
         scheduler.set_begin_index(0)  # the loop starts at the first timestep (diffusers finds it by value)
 
         # 2.3 the frame rate scales the temporal RoPE

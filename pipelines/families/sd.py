@@ -71,6 +71,7 @@ class StableDiffusionFamily(ImageFamily):
         state["step_kwargs"] = view.prepare_extra_step_kwargs(generator, 0.0)
         state["timestep_cond"] = None
         if view.unet.config.time_cond_proj_dim is not None:
+            assert req.guidance_scale is not None  # validate() filled it
             g = torch.tensor(req.guidance_scale - 1).repeat(req.n * (2 if cond["cfg"] else 1))
             state["timestep_cond"] = view.get_guidance_scale_embedding(
                 g, embedding_dim=view.unet.config.time_cond_proj_dim).to(device=self.device, dtype=latents.dtype)

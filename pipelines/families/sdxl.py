@@ -74,6 +74,7 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
 
     def cfg(self, request: ImageRequest) -> bool:
         # do_classifier_free_guidance: guidance-distilled UNets (time_cond_proj_dim) run without.
+        assert request.guidance_scale is not None  # validate() filled it
         return request.guidance_scale > 1.0 and self.pipe.unet.config.time_cond_proj_dim is None
 
     def zero_negative(self, request: ImageRequest) -> bool:
@@ -151,6 +152,7 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         # 2.5 the guidance embedding of distilled UNets
         state["timestep_cond"] = None
         if view.unet.config.time_cond_proj_dim is not None:
+            assert req.guidance_scale is not None  # validate() filled it
             g = torch.tensor(req.guidance_scale - 1).repeat(req.n)
             state["timestep_cond"] = view.get_guidance_scale_embedding(
                 g, embedding_dim=view.unet.config.time_cond_proj_dim).to(device=self.device, dtype=latents.dtype)

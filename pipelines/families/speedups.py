@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,20 @@ class DenoiserSpeedups:
     """Mixed into ImageFamily: `self.pipe`, `self.name`, `self.family`, `guide` and `split` come from there."""
 
     denoiser_keys: tuple[str, ...] = ("unet",)  # the pipeline attributes holding denoisers
+    name: str
+    family: str
+    speedups: Speedups
+    denoiser: DenoiserCall
+
+    if TYPE_CHECKING:  # provided by ImageFamily
+        @property
+        def pipe(self) -> Any: ...
+
+        @staticmethod
+        def guide(model_output: torch.Tensor, cfg: bool, scale: float) -> torch.Tensor: ...
+
+        @staticmethod
+        def split(batched: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]: ...
 
     def accelerate(self, speedups: Speedups, metrics=None) -> None:
         """At load: fused norms, regional compile and step-cache wrappers on each denoiser; graphs per config."""
@@ -57,7 +71,7 @@ class DenoiserSpeedups:
         stacks = [self.denoiser.stacks.get(k) for k in self.denoiser_keys if getattr(self.pipe, k, None) is not None]
         if not stacks or any(s is None for s in stacks):
             raise RequestError("step_cache", f"model {self.name} ({self.family}) has no step cache")
-        if params.method == "fbcache" and not all(s.supports_fbcache for s in stacks):
+        if params.method == "fbcache" and not all(s is not None and s.supports_fbcache for s in stacks):
             raise RequestError("step_cache.method", f"fbcache needs a transformer of at least two blocks; model "
                                                     f"{self.name} ({self.family}) supports teacache and interval")
 
@@ -68,9 +82,10 @@ class DenoiserSpeedups:
         out = self.denoiser(key, fn, batched, shared or {}, self.row_groups(items, sizes))
         return self.split(out, sizes)
 
-    def call_denoiser(self, key: str, **inputs) -> torch.Tensor:
-        """The denoiser `key` on one batch of inputs -> its output tensor (what graphs capture)."""
-        return getattr(self.pipe, key)(**inputs, return_dict=False)[0]
+    def call_denoiser(self, key: str, *args: Any, **inputs: Any) -> torch.Tensor:
+        """The denoiser `key` on one batch of inputs -> its output tensor (what graphs capture). A family may
+        override it with the denoiser's own parameters."""
+        return getattr(self.pipe, key)(*args, **inputs, return_dict=False)[0]
 
     @staticmethod
     def row_groups(items: list[WorkItem], sizes: list[int]) -> list[RowGroup]:
@@ -118,4 +133,6 @@ def norm1_indicator(block, args: dict) -> torch.Tensor:
 def _plain_flow_match(scheduler) -> bool:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return type(scheduler) is FlowMatchEulerDiscreteScheduler and not scheduler.config.stochastic_sampling
+    if type(scheduler) is not FlowMatchEulerDiscreteScheduler:
+        return False
+    return not scheduler.config.stochastic_sampling  # type: ignore[attr-defined]  # diffusers: an untyped FrozenDict

@@ -25,7 +25,7 @@ from stages.stage import WorkItem
 
 class VideoFamily(ImageFamily):
     # model_index.json `_class_name` -> {task: diffusers pipeline class} served from that checkpoint
-    pipelines_by_class: dict[str, dict[VideoTask, type]] = {}
+    pipelines_by_class: dict[str, dict[VideoTask, type[Any]]] = {}
     default_size: tuple[int, int] = (832, 480)  # (width, height) of the pipelines' __call__
     default_frames: int = 81
     default_fps: float = 16.0
@@ -62,7 +62,7 @@ class VideoFamily(ImageFamily):
         self.speedups = Speedups()
         self.denoiser = DenoiserCall(name)
 
-    def extra_variants(self, base) -> dict[VideoTask, type]:
+    def extra_variants(self, base) -> dict[VideoTask, type[Any]]:
         """Pipelines a checkpoint serves beyond its class's (decided by its config)."""
         return {}
 
@@ -104,6 +104,7 @@ class VideoFamily(ImageFamily):
     def begin(self, item: WorkItem):
         req: VideoRequest = item.inputs["request"]
         scheduler = self.new_scheduler()
+        assert req.seed is not None  # validate() drew one
         return req, item.inputs["cond"], scheduler, self.view(req.task, scheduler), self.generator(req.seed)
 
     # -- text_encode ------------------------------------------------------------------------
@@ -118,6 +119,7 @@ class VideoFamily(ImageFamily):
         for item in items:
             req: VideoRequest = item.inputs["request"]
             prompt = self.cached_text(req.prompt, req.tenant)
+            assert req.guidance_scale is not None  # validate() filled it
             negative = self.cached_text(req.negative_prompt or "", req.tenant) if req.guidance_scale > 1.0 else None
             out.append({"cond": self.conditioning(prompt, negative, req)})
         return out

@@ -42,7 +42,8 @@ class WanFamily(VideoFamily):
 
     def extra_variants(self, base) -> dict[VideoTask, type]:
         # Wan 2.2 TI2V: one WanPipeline checkpoint (expand_timesteps) also animates an image.
-        if isinstance(base, WanPipeline) and base.config.expand_timesteps:
+        # diffusers' lazy exports are dummy classes to mypy: `config` is unknown on them
+        if isinstance(base, WanPipeline) and base.config.expand_timesteps:  # type: ignore[attr-defined]
             return {VideoTask.IMAGE_TO_VIDEO: WanImageToVideoPipeline}
         return {}
 
