@@ -14,12 +14,14 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from realtime.sessions import registry_for
+from realtime.video.metrics import VideoMetrics
+from realtime.voice.metrics import VoiceMetrics
 from serve.body_limit import BodyLimit
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
 from serve.job_runner import JobPolicy, JobRunner
 from serve.jobs import JobStore
-from serve.metrics import RequestCounter
+from serve.metrics import HttpMetrics, RequestCounter
 from serve.openapi import install_openapi
 from serve.routes import (
     batches,
@@ -87,5 +89,8 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     install_openapi(app)  # /openapi.json says what the routes answer (serve/openapi.py)
     app.add_middleware(BodyLimit, json_bytes=max_body_bytes,  # inside RequestCounter: its 413s are counted
                        multipart_bytes=max(2 * max_upload_bytes, batches.MAX_FILE_BYTES) + FORM_FIELDS_BYTES)
-    app.add_middleware(RequestCounter, counter=engine.metrics.requests)
+    # The series of the layers above stages/ join the engine's registry now, so /metrics lists them from the start.
+    engine.metrics.part(VideoMetrics)
+    engine.metrics.part(VoiceMetrics)
+    app.add_middleware(RequestCounter, counter=engine.metrics.part(HttpMetrics).requests)
     return app

@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 CANCELLED_STATUS = 499  # nginx's "client closed request"; the status of the engine's `cancelled` error
+
+
+class HttpMetrics:
+    """The HTTP server's series, on the engine's registry through `engine.metrics.part(HttpMetrics)`."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("mmserve_requests_total", "HTTP requests by route and status", ["route", "status"],
+                                registry=registry)
 
 
 class RequestCounter:

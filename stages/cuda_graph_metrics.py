@@ -2,6 +2,31 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class GraphMetrics:
+    """The graph runners' series (DESIGN §8; stage is "denoise" or "llm"), on the engine's registry
+    (stages.metrics.Metrics.graphs)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.replays = Counter("mmserve_graph_replays_total", "Forwards replayed from a captured graph",
+                               ["stage", "model"], registry=r)
+        self.rows = Counter("mmserve_graph_rows_total", "Real rows of replayed forwards", ["stage", "model"],
+                            registry=r)
+        self.padded_rows = Counter("mmserve_graph_padded_rows_total", "Padding rows added to reach a bucket "
+                                   "(pad ratio = padded / (rows + padded))", ["stage", "model"], registry=r)
+        self.eager = Counter("mmserve_graph_eager_total", "Forwards of a graph-enabled stage run eagerly, by "
+                             "reason (shape, rows, padding, step_cache)", ["stage", "model", "reason"],
+                             registry=r)
+        self.captures = Counter("mmserve_graph_captures_total", "Buckets captured (warm-up only)",
+                                ["stage", "model"], registry=r)
+        self.capture_seconds = Gauge("mmserve_graph_capture_seconds", "Time spent capturing graphs",
+                                     ["stage", "model"], registry=r)
+        self.pool_bytes = Gauge("mmserve_graph_pool_bytes", "Device memory reserved by graph capture",
+                                ["stage", "model"], registry=r)
+
 
 class GraphObserver:
     """Where a runner reports what it did (metrics); the base class keeps counts for tests and logs."""
@@ -29,28 +54,28 @@ class GraphObserver:
 
 
 class MetricsObserver(GraphObserver):
-    """A GraphObserver that also feeds the engine's Prometheus metrics (stages.metrics.Metrics)."""
+    """A GraphObserver that also feeds the engine's Prometheus metrics (stages.metrics.Metrics.graphs)."""
 
     def __init__(self, metrics, stage: str, model: str):
         super().__init__()
-        self.metrics, self.labels = metrics, dict(stage=stage, model=model)
+        self.metrics, self.labels = metrics.graphs, dict(stage=stage, model=model)
 
     def replayed(self, rows: int, bucket: int) -> None:
         super().replayed(rows, bucket)
         m = self.metrics
-        m.graph_replays.labels(**self.labels).inc()
-        m.graph_rows.labels(**self.labels).inc(rows)
-        m.graph_padded_rows.labels(**self.labels).inc(bucket - rows)
+        m.replays.labels(**self.labels).inc()
+        m.rows.labels(**self.labels).inc(rows)
+        m.padded_rows.labels(**self.labels).inc(bucket - rows)
 
     def eager(self, reason: str) -> None:
         super().eager(reason)
-        self.metrics.graph_eager.labels(reason=reason, **self.labels).inc()
+        self.metrics.eager.labels(reason=reason, **self.labels).inc()
 
     def captured(self) -> None:
         super().captured()
-        self.metrics.graph_captures.labels(**self.labels).inc()
+        self.metrics.captures.labels(**self.labels).inc()
 
     def capture_done(self, seconds: float, pool_bytes: int) -> None:
         super().capture_done(seconds, pool_bytes)
-        self.metrics.graph_capture_seconds.labels(**self.labels).inc(seconds)
-        self.metrics.graph_pool_bytes.labels(**self.labels).inc(pool_bytes)
+        self.metrics.capture_seconds.labels(**self.labels).inc(seconds)
+        self.metrics.pool_bytes.labels(**self.labels).inc(pool_bytes)

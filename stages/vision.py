@@ -59,7 +59,7 @@ class VisionEncodeStage(Stage):
         # 3. publish (complete entries only), then gather each request's features in prompt order
         for key, claim in lead_claims.items():
             self.cache.fulfil(claim, results[key])
-        saved = self.metrics.cache_saved.labels(cache=self.cache.name)
+        saved = self.metrics.cache.saved.labels(cache=self.cache.name)
         outputs = []
         for cs in claims:
             features = []

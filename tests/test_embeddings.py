@@ -137,7 +137,7 @@ def test_minilm_concurrent_requests_share_forwards(minilm_engine):
     for t in threads:
         t.join()
     assert all(cosines(results[i][:1], solo[i][None])[0] >= 0.99999 for i in range(8))
-    assert minilm_engine.metrics.max_batch_size("minilm/embed", "minilm") > 1
+    assert minilm_engine.metrics.stage.max_batch_size("minilm/embed", "minilm") > 1
 
 
 @needs_minilm

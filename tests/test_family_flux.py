@@ -115,7 +115,7 @@ def test_concurrent_requests_share_forwards_and_equal_solo(engine, batching_engi
         handles.append(batching_engine.submit_image("m", ImageRequest(prompt=f"prompt {i}", **common, **s)))
         time.sleep(0.01)
     batched = [h.result(timeout=120)["pixels"] for h in handles]
-    assert batching_engine.metrics.max_batch_size("m/denoise", "m") > 1
+    assert batching_engine.metrics.stage.max_batch_size("m/denoise", "m") > 1
     for got, want in zip(batched, solo):
         np.testing.assert_allclose(got, want, atol=1e-4)
 

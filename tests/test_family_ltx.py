@@ -87,7 +87,7 @@ def test_concurrent_requests_share_forwards_and_equal_solo(engine, ltx_path):
             handles.append(batching.submit_video("m", VideoRequest(prompt=f"prompt {i}", **common, **s)))
             time.sleep(0.01)
         batched = [h.result(timeout=60)["pixels"] for h in handles]
-        assert batching.metrics.max_batch_size("m/denoise", "m") > 1
+        assert batching.metrics.stage.max_batch_size("m/denoise", "m") > 1
     for got, want in zip(batched, solo):
         np.testing.assert_allclose(got, want, atol=1e-4)
 

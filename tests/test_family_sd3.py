@@ -104,13 +104,13 @@ def test_concurrent_requests_share_forwards_and_equal_solo(engine):
              dict(seed=3, num_inference_steps=6, guidance_scale=3.0, n=2)]
     solo = [engine.submit_image("m", ImageRequest(prompt=f"prompt {i}", **s)).result()["pixels"]
             for i, s in enumerate(specs)]
-    assert engine.metrics.max_batch_size("m/denoise", "m") <= 1  # solo runs never shared a forward
+    assert engine.metrics.stage.max_batch_size("m/denoise", "m") <= 1  # solo runs never shared a forward
     handles = []
     for i, s in enumerate(specs):  # staggered arrivals: later requests join at a step boundary
         handles.append(engine.submit_image("m", ImageRequest(prompt=f"prompt {i}", **s)))
         time.sleep(0.02)
     batched = [h.result(timeout=120)["pixels"] for h in handles]
-    assert engine.metrics.max_batch_size("m/denoise", "m") > 1
+    assert engine.metrics.stage.max_batch_size("m/denoise", "m") > 1
     for got, want in zip(batched, solo):
         np.testing.assert_allclose(got, want, atol=1e-4)
 

@@ -153,7 +153,7 @@ def test_requests_at_different_steps_share_forwards(engine, checkpoint, image):
         for t in threads:
             t.join()
         together = [h.result(timeout=120)["pixels"] for h in handles]
-        assert batched_engine.metrics.max_batch_size("m/denoise", "m") > 1
+        assert batched_engine.metrics.stage.max_batch_size("m/denoise", "m") > 1
     for got, want in zip(together, solo):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -108,18 +108,18 @@ def test_seeded_sampling_is_the_same_alone_and_batched(engine, reference):
     ids = _prompt(reference[1], 2)
     params = dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
     metrics = engine.metrics
-    pairs = metrics.llm_forwards("m", min_seqs=2)
+    pairs = metrics.llm.forwards("m", min_seqs=2)
     alone = _run(engine, ids, **params).result(timeout=120)["choices"][0]["token_ids"]
-    assert metrics.llm_forwards("m", min_seqs=2) == pairs  # alone: no forward held a second sequence
+    assert metrics.llm.forwards("m", min_seqs=2) == pairs  # alone: no forward held a second sequence
     # Three others that outlast it, each past its first token before it starts: every forward of the
     # batched run holds four sequences, and only a forward with the batched run in it can hold four.
     others = [_run(engine, _prompt(reference[1], i), temperature=1.1, seed=i, max_tokens=1000, ignore_eos=True)
               for i in range(3)]
     for h in others:
         next(e for e in h.events(timeout=120) if e.kind is EventKind.DELTA)
-    fours = metrics.llm_forwards("m", min_seqs=4)
+    fours = metrics.llm.forwards("m", min_seqs=4)
     batched = _run(engine, ids, **params).result(timeout=120)["choices"][0]["token_ids"]
-    shared = metrics.llm_forwards("m", min_seqs=4) - fours
+    shared = metrics.llm.forwards("m", min_seqs=4) - fours
     for h in others:
         h.cancel()
         assert list(h.events(timeout=60))[-1].data["code"] == "cancelled"  # gone before the next test
@@ -131,9 +131,9 @@ def test_list_of_prompts_runs_together_and_equals_generate(engine, reference):
     """A completions list of prompts: one request whose prompts share forwards; each choice equals generate()."""
     prompts = [_prompt(reference[1], i) for i in (1, 4, 6)]
     params = SamplingParams(n=2, max_tokens=12, **GREEDY)
-    pairs = engine.metrics.llm_forwards("m", min_seqs=2)
+    pairs = engine.metrics.llm.forwards("m", min_seqs=2)
     out = engine.submit_chat("m", ChatRequest(prompts=prompts, params=params)).result(timeout=120)
-    assert engine.metrics.llm_forwards("m", min_seqs=2) > pairs  # nothing else ran: its prompts shared a forward
+    assert engine.metrics.llm.forwards("m", min_seqs=2) > pairs  # nothing else ran: its prompts shared a forward
     assert [c["index"] for c in out["choices"]] == list(range(6))
     for k, p in enumerate(prompts):
         want = _generate(reference, p, 12)

@@ -12,6 +12,7 @@ import websockets
 
 from pipelines.config import MediaConfig, RealtimeConfig
 from realtime.sessions import registry_for
+from realtime.video.metrics import VideoMetrics
 from stages.media.image import ImageDecodeLimits
 from tests.test_realtime_video_support import (
     Client,
@@ -158,7 +159,7 @@ def test_admission_refuses_at_capacity_without_evicting_and_admits_again_after_a
     assert (error["error"]["code"], error["error"]["type"]) == ("session_limit_reached", "rate_limit_error")
     assert closed.rcvd.code == 1013
     assert admitted["type"] == "session.created"
-    assert server.engine.metrics.rt_video_refused.labels(reason="session_limit_reached")._value.get() >= 1
+    assert server.engine.metrics.part(VideoMetrics).refused.labels(reason="session_limit_reached")._value.get() >= 1
 
 
 def test_idle_and_over_long_sessions_are_closed(engine):

@@ -74,7 +74,7 @@ def slow_denoiser(engine, model: str, seconds: float):
 
 def batches_of_two_or_more(engine, pool: str) -> float:
     """How many forwards of a stage pool held more than one work item so far."""
-    samples = engine.metrics.batch_size_samples(pool, pool.split("/")[0])
+    samples = engine.metrics.stage.batch_size_samples(pool, pool.split("/")[0])
     return max(samples.values(), default=0.0) - samples.get(1, 0.0)
 
 

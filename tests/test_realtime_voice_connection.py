@@ -11,6 +11,7 @@ import pytest
 from pipelines.config import RealtimeConfig
 from realtime.sessions import reap_until_empty, registry_for
 from realtime.voice.connection import VoiceConnection
+from realtime.voice.metrics import VoiceMetrics
 from realtime.voice.vad import VadLoader
 from tests.test_realtime_voice_support import voice_engine, voice_models
 
@@ -173,7 +174,7 @@ def test_resume_past_the_journal_asks_for_a_resync_and_grace_expiry(engine):
         fresh_left = len(registry)  # the session opened on connect was dropped
         b.hang_up(1006)
         await ended(tb)
-        reaper.append(asyncio.create_task(reap_until_empty(registry, engine.metrics.rt_voice_sessions,
+        reaper.append(asyncio.create_task(reap_until_empty(registry, engine.metrics.part(VoiceMetrics).sessions,
                                                            interval_s=0.05)))
         await b.wait(lambda: len(registry) == 0)  # the grace period passed: reaped
         c, tc = connect(engine, registry, resume_id=session.id)
@@ -192,9 +193,9 @@ def test_resume_past_the_journal_asks_for_a_resync_and_grace_expiry(engine):
 def test_idle_sessions_expire_and_unknown_models_are_refused(engine):
     async def main():
         registry = registry_for("voice", RealtimeConfig(idle_timeout_s=0.3))
-        reaper = []
+        reaper, live = [], engine.metrics.part(VoiceMetrics).sessions
         a, ta = connect(engine, registry, on_admit=lambda: reaper.append(
-            asyncio.create_task(reap_until_empty(registry, engine.metrics.rt_voice_sessions, interval_s=0.05))))
+            asyncio.create_task(reap_until_empty(registry, live, interval_s=0.05))))
         await a.wait(lambda: a.of("session.expired"))
         await ended(ta)
         x, tx = connect(engine, registry, model="no-such-voice")

@@ -81,7 +81,7 @@ def test_concurrent_requests_share_forwards_and_equal_solo(engine, batching_engi
     batched = [h.result(timeout=120)["pixels"] for h in handles]
     for got, want in zip(batched, solo):
         np.testing.assert_allclose(got, want, atol=1e-4)
-    assert batching_engine.metrics.max_batch_size("sd/denoise", "sd") >= 2
+    assert batching_engine.metrics.stage.max_batch_size("sd/denoise", "sd") >= 2
 
 
 def test_cancel_mid_loop_stops_within_a_step(batching_engine):

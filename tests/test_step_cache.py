@@ -159,7 +159,7 @@ def test_cached_and_uncached_requests_share_forwards_and_equal_their_solo_runs(e
     batched = [h.result(timeout=120)["pixels"] for h in handles]
     for got, want in zip(batched, solo):
         np.testing.assert_allclose(got, want, atol=1e-4)
-    assert engine.metrics.max_batch_size("m/denoise", "m") >= 2
+    assert engine.metrics.stage.max_batch_size("m/denoise", "m") >= 2
 
 
 def test_requests_are_refused_where_the_model_cannot_cache(engines, paths):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from realtime.sessions import CLOSE_NORMAL, CLOSE_TRY_AGAIN, SessionRefused, SessionRegistry, SessionSocket
+from realtime.video.metrics import VideoMetrics
 from realtime.video.protocol import ProtocolError, error_event, only, parse_event
 from realtime.video.session import VideoSession
 
@@ -27,6 +28,7 @@ class VideoConnection:
                  model: str | None = None, on_admit: Callable[[], None] | None = None):
         self.socket = socket
         self.engine = engine
+        self.metrics = engine.metrics.part(VideoMetrics)
         self.registry = registry
         self.tenant = tenant
         self.model = model  # the `?model=` of the URL: the default of the first session.update
@@ -46,7 +48,7 @@ class VideoConnection:
                     await self.registry.remove(session.id, "client_closed")
                 else:  # the connection dropped: keep the session for a resume
                     self.registry.detach(session.id)
-                self.engine.metrics.rt_video_sessions.set(len(self.registry))
+                self.metrics.sessions.set(len(self.registry))
 
     async def _dispatch(self, frame: str | bytes) -> None:
         event_id = None
@@ -87,12 +89,12 @@ class VideoConnection:
         try:
             self.registry.admit(session)
         except SessionRefused as e:
-            self.engine.metrics.rt_video_refused.labels(reason=e.code).inc()
+            self.metrics.refused.labels(reason=e.code).inc()
             await self.socket.send(json.dumps(error_event(e.code, e.message, event_id=event.get("event_id"),
                                                           error_type="rate_limit_error")))
             await self.socket.close(CLOSE_TRY_AGAIN, e.code)
             return
-        self.engine.metrics.rt_video_sessions.set(len(self.registry))
+        self.metrics.sessions.set(len(self.registry))
         if self.on_admit is not None:
             self.on_admit()
         await self._attach(session)

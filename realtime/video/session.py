@@ -25,6 +25,7 @@ from realtime.sessions import Journal, Outbox, SessionRegistry
 from realtime.video.credits import CreditGate
 from realtime.video.degrade import Degradation, OverloadLadder, next_degradation
 from realtime.video.img2img import Img2ImgStream
+from realtime.video.metrics import VideoMetrics
 from realtime.video.models import min_steps, resolve, size_of
 from realtime.video.output import OutputEncoder
 from realtime.video.protocol import (
@@ -54,6 +55,7 @@ class VideoSession:
         self.id, self.resume_token = SessionRegistry.new_ids()
         self.outbox = Outbox(journal)
         self.engine = engine
+        self.metrics = engine.metrics.part(VideoMetrics)
         self.tenant = tenant  # enters every cache identity of its requests
         self.requested = requested  # what the client chose (and overload changed): re-resolved on update
         self.settings = settings  # the effective settings, every default filled
@@ -108,10 +110,10 @@ class VideoSession:
         await self.emit(error_event(code, message, param=param, event_id=event_id, error_type=kind))
 
     def count(self, *, frame_outcome: str, frames: int = 1, latency_s: float | None = None) -> None:
-        metrics, labels = self.engine.metrics, dict(model=self.settings.model, mode=self.settings.mode)
-        metrics.rt_video_frames.labels(outcome=frame_outcome, **labels).inc(frames)
+        metrics, labels = self.metrics, dict(model=self.settings.model, mode=self.settings.mode)
+        metrics.frames.labels(outcome=frame_outcome, **labels).inc(frames)
         if latency_s is not None:
-            metrics.rt_video_latency.labels(**labels).observe(latency_s)
+            metrics.latency.labels(**labels).observe(latency_s)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -204,7 +206,7 @@ class VideoSession:
         except ProtocolError as e:
             log.info("video session %s: cannot restore %s to %s: %s", self.id, step.knob, step.before, e.message)
             return
-        self.engine.metrics.rt_video_restored.labels(knob=step.knob).inc()
+        self.metrics.restored.labels(knob=step.knob).inc()
         await self.emit({"type": "session.updated", "session": {"id": self.id, **self.settings.public()},
                          "reason": "recovered", "restored": {"knob": step.knob, "from": step.after, "to": step.before}})
 
@@ -222,7 +224,7 @@ class VideoSession:
             log.info("video session %s: cannot degrade %s to %s: %s", self.id, step.knob, step.after, e.message)
             return
         self.degraded.append(step)
-        self.engine.metrics.rt_video_degraded.labels(knob=step.knob).inc()
+        self.metrics.degraded.labels(knob=step.knob).inc()
         await self.emit({"type": "session.updated", "session": {"id": self.id, **self.settings.public()},
                          "reason": "overload", "degraded": step.event()})
 

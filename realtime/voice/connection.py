@@ -35,6 +35,7 @@ from realtime.sessions import (
     error_event,
 )
 from realtime.voice.items import new_id
+from realtime.voice.metrics import VoiceMetrics
 from realtime.voice.session import VoiceSession
 from realtime.voice.vad import VadLoader
 
@@ -53,6 +54,7 @@ class VoiceConnection:
     def __init__(self, socket: SessionSocket, engine, registry: SessionRegistry, vad: VadLoader, *, tenant: str,
                  model: str | None, resume_id: str | None = None, beta: bool = False, on_admit=None):
         self.socket, self.engine, self.registry, self.vad = socket, engine, registry, vad
+        self.metrics = engine.metrics.part(VoiceMetrics)
         self.tenant, self.model, self.resume_id, self.beta = tenant, model, resume_id, beta
         self.on_admit = on_admit or (lambda: None)
         self.session: VoiceSession | None = None
@@ -69,7 +71,7 @@ class VoiceConnection:
                 await self._open(spec)
             except SessionRefused as exc:
                 refused = exc
-                self.engine.metrics.rt_voice_refused.labels(reason=exc.code).inc()
+                self.metrics.refused.labels(reason=exc.code).inc()
                 await self.socket.send(error_frame(exc.code, exc.message, error_type="rate_limit_error"))
         first = True
         try:
@@ -107,7 +109,7 @@ class VoiceConnection:
         session = VoiceSession(self.engine, spec, limits.voice, session_id=session_id, resume_token=token,
                                outbox=outbox, vad=self.vad, tenant=self.tenant, beta=self.beta)
         self.registry.admit(session)  # raises SessionRefused at capacity
-        self.engine.metrics.rt_voice_sessions.set(len(self.registry))
+        self.metrics.sessions.set(len(self.registry))
         self.on_admit()
         await self._attach(session)
         await session.start()
@@ -161,7 +163,7 @@ class VoiceConnection:
         else:  # the connection dropped: keep the session for a resume
             self.registry.detach(session.id)
             session.transport = None
-        self.engine.metrics.rt_voice_sessions.set(len(self.registry))
+        self.metrics.sessions.set(len(self.registry))
 
     async def _closed_by_server(self, reason: str) -> None:
         if getattr(self.session, "transport", None) is self.socket:

@@ -33,6 +33,7 @@ from realtime.voice.asr import AsrLane
 from realtime.voice.audio_codec import AudioDecodeError, b64decode, b64encode, decode, encode
 from realtime.voice.input import VoiceInput
 from realtime.voice.items import Conversation, Item, PlaybackClock, new_id
+from realtime.voice.metrics import VoiceMetrics
 from realtime.voice.protocol import (
     ProtocolError,
     SessionConfig,
@@ -67,7 +68,7 @@ class VoiceSession(ResponseControl):
                  clock: Callable[[], float] = time.monotonic):
         self.engine, self.spec, self.limits = engine, spec, limits
         self.id, self.resume_token, self.outbox = session_id, resume_token, outbox
-        self.tenant, self.clock, self.metrics = tenant, clock, engine.metrics
+        self.tenant, self.clock, self.metrics = tenant, clock, engine.metrics.part(VoiceMetrics)
         self.voices = tuple(engine.models[spec.tts].voices)
         self.config = SessionConfig(voice=spec.voice or self.voices[0], instructions=spec.instructions,
                                     max_output_tokens=spec.max_output_tokens, beta=beta)
@@ -167,7 +168,7 @@ class VoiceSession(ResponseControl):
         event = {"type": event.pop("type"), "event_id": new_id("event"), **event}  # `current` edits this dict
         if await self.outbox.emit(event, guard=current) is None:
             self.stale_chunks_dropped += 1
-            self.metrics.rt_voice_stale_dropped.inc()
+            self.metrics.stale_dropped.inc()
             return False
         return True
 
@@ -232,7 +233,7 @@ class VoiceSession(ResponseControl):
             raise ProtocolError("invalid_audio", str(exc), param="audio") from None
         if (self.clock() - inbound.received_at) * 1000 > self.limits.max_input_age_ms:
             self.input_chunks_dropped += 1  # stale: processing it would delay what is current (book ch.21)
-            self.metrics.rt_voice_input_dropped.inc()
+            self.metrics.input_dropped.inc()
             return
         for vad_event in await self.input.feed(self.input.to_model_rate(samples)):
             if vad_event.kind == "start":

@@ -131,9 +131,9 @@ class ResponseControl:
         await self.emit({"type": "response.metrics", "response_id": r.id, "status": status, "epoch": r.epoch,
                          "audio_sent_ms": round(r.item.audio_ms, 1), **report})
         if r.timings.first_audio is not None:
-            self.metrics.rt_voice_ttfa.labels(model=self.spec.name).observe(r.timings.first_audio - r.timings.start)
+            self.metrics.ttfa.labels(model=self.spec.name).observe(r.timings.first_audio - r.timings.start)
         if status == "cancelled" and r.timings.interrupt is not None:
-            self.metrics.rt_voice_interrupt.labels(model=self.spec.name).observe(r.timings.silent - r.timings.interrupt)
+            self.metrics.interrupt.labels(model=self.spec.name).observe(r.timings.silent - r.timings.interrupt)
         await self.emit({"type": "rate_limits.updated", "rate_limits": [
             {"name": "tokens", "limit": self.spec.max_output_tokens, "remaining": self.spec.max_output_tokens,
              "reset_seconds": 0.0}]})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, WebSocket
 
 from realtime.video.connection import VideoConnection
+from realtime.video.metrics import VideoMetrics
 from serve.ws import StarletteSocket, accept, ensure_reaper
 
 router = APIRouter()
@@ -17,7 +18,7 @@ async def realtime_video(websocket: WebSocket, model: str | None = None):
     if tenant is None:
         return
     app = websocket.app
-    registry, metrics = app.state.video_sessions, app.state.engine.metrics
+    registry, live = app.state.video_sessions, app.state.engine.metrics.part(VideoMetrics).sessions
     connection = VideoConnection(StarletteSocket(websocket), app.state.engine, registry, tenant=tenant, model=model,
-                                 on_admit=lambda: ensure_reaper(app, registry, metrics.rt_video_sessions))
+                                 on_admit=lambda: ensure_reaper(app, registry, live))
     await connection.run()

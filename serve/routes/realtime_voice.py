@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, WebSocket
 
 from realtime.voice.connection import VoiceConnection
+from realtime.voice.metrics import VoiceMetrics
 from realtime.voice.vad import VadLoader
 from serve.ws import StarletteSocket, accept, ensure_reaper
 
@@ -22,11 +23,11 @@ async def realtime_voice(websocket: WebSocket, model: str | None = None, session
     if tenant is None:
         return
     app = websocket.app
-    registry, metrics = app.state.voice_sessions, app.state.engine.metrics
+    registry, live = app.state.voice_sessions, app.state.engine.metrics.part(VoiceMetrics).sessions
     beta = websocket.headers.get("openai-beta", "").replace(" ", "").startswith("realtime=v1")
     connection = VoiceConnection(StarletteSocket(websocket), app.state.engine, registry, _vad_loader(app),
                                  tenant=tenant, model=model, resume_id=session_id, beta=beta,
-                                 on_admit=lambda: ensure_reaper(app, registry, metrics.rt_voice_sessions))
+                                 on_admit=lambda: ensure_reaper(app, registry, live))
     await connection.run()
 
 
