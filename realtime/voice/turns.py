@@ -1,5 +1,6 @@
-"""The response side of a voice session: start a response, gate it on final transcripts, finish it, or cut
-it short at the epoch fence and truncate the assistant item to what was heard.
+"""The response side of a voice session: start a response (`response.create`, or a turn's end), gate it on
+final transcripts, finish it, or cut it short at the epoch fence (`response.cancel`, `output_audio_buffer.clear`,
+barge-in) and truncate the assistant item to what was heard.
 
 A mixin of VoiceSession (realtime/voice/session.py), split off to keep each file readable; it uses the session's
 state (epoch, response, conversation, playback clock, outbox) and owns none of its own.
@@ -8,14 +9,49 @@ state (epoch, response, conversation, playback clock, outbox) and owns none of i
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from realtime.voice.items import Item, new_id
-from realtime.voice.protocol import ResponseParams, event_name
+from realtime.voice.protocol import ProtocolError, ResponseParams, event_name, parse_response_params
 from realtime.voice.response import Response, ResponseRunner, Timings, response_object
+
+if TYPE_CHECKING:
+    from realtime.voice.session import Inbound
 
 
 class ResponseControl:
+    # -- the client's events ------------------------------------------------------------------------------
+    async def _response_create(self, event: dict, inbound: Inbound) -> None:
+        if self.response is not None:
+            raise ProtocolError("conversation_already_has_active_response", "the conversation already has an active "
+                                f"response ({self.response.id}); wait for its response.done or cancel it")
+        params = parse_response_params(event.get("response"), self.config, self.spec.max_output_tokens)
+        await self._start_response(params, inbound.received_at)
+
+    async def _response_cancel(self, event: dict, inbound: Inbound) -> None:
+        r, wanted = self.response, event.get("response_id")
+        if r is None or (wanted is not None and wanted != r.id):
+            raise ProtocolError("response_cancel_not_active", "there is no active response" +
+                                (f" with id {wanted!r}" if wanted is not None else "") + " to cancel",
+                                param="response_id" if wanted is not None else None)
+        now = self.clock()
+        self._bump(r, now)
+        await self._end_cancelled(r, "client_cancelled", now)
+
+    async def _output_clear(self, event: dict, inbound: Inbound) -> None:
+        """The client cut the reply off (dropped what it had buffered): cancel it and keep what was heard."""
+        now, r = self.clock(), self.response
+        if r is not None:
+            self._bump(r, now)
+            await self._end_cancelled(r, "client_cancelled", now)
+        else:
+            playing = self._playing_item(now)
+            if playing is not None:
+                await self._truncate_heard(playing, now)
+            self.playback.stop(now)
+        await self.emit({"type": "output_audio_buffer.cleared", "response_id": r.id if r is not None else ""})
+
+    # -- a response's course ------------------------------------------------------------------------------
     def _default_params(self) -> ResponseParams:
         c = self.config
         return ResponseParams(c.output_modalities, c.instructions, c.max_output_tokens, c.temperature)
