@@ -99,7 +99,7 @@ class GraphExecutor:
         run.state.request_cancel()
         if not run.state.fail(StageError("cancelled", "the request was cancelled", status=499)):
             return False
-        self.metrics.graph_requests.labels(model=run.state.model, outcome="cancelled").inc()
+        self.metrics.stage.graph_requests.labels(model=run.state.model, outcome="cancelled").inc()
         return True
 
     def in_flight(self) -> int:
@@ -137,7 +137,7 @@ class GraphExecutor:
             run.done.add(item.node)
         if item.node == run.graph.output:
             if state.emit(EventKind.FINAL, stage=item.node, outputs=outputs):
-                self.metrics.graph_requests.labels(model=state.model, outcome="ok").inc()
+                self.metrics.stage.graph_requests.labels(model=state.model, outcome="ok").inc()
             return
         self._dispatch(run)
 
@@ -146,7 +146,7 @@ class GraphExecutor:
         if error is None and state.expired() and not state.closed:
             error = StageError("deadline_exceeded", "the request passed its deadline", status=504)
         if error is not None and state.fail(error):
-            self.metrics.graph_requests.labels(model=state.model, outcome=error.code).inc()
+            self.metrics.stage.graph_requests.labels(model=state.model, outcome=error.code).inc()
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
