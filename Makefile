@@ -10,7 +10,7 @@ PORT ?= 8000
 export HF_HUB_OFFLINE := 1
 export TRITON_INTERPRET := 1
 
-.PHONY: install serve test bench clean speech-tools
+.PHONY: install serve test lint bench clean speech-tools
 
 install: $(STAMP)
 
@@ -40,7 +40,12 @@ speech-tools:
 		true|TRUE|True|1) echo "espeak-ng is missing and could not be installed; CI=true needs the real-speech tests" >&2; exit 1;; \
 		*) echo "espeak-ng could not be installed: the real-speech tests will be skipped (with CI=true they fail)";; esac
 
-test: install speech-tools
+# ruff (lint and import order, whole tree) and mypy (stages/ and pipelines/; pyproject.toml) before the suite.
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: install speech-tools lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: install

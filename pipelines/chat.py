@@ -64,7 +64,7 @@ class ChatModel:
             use_fused_norms(self.runner.model)
         self.weights_id = f"{LLM_FAMILY}:{path}"
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)  # None: no refusal before tokenizing
-        self._tokenized_chars = metrics.llm_tokenized_chars.labels(model=name)
+        self._tokenized_chars = metrics.llm.tokenized_chars.labels(model=name)
         self.stage = self._llm_stage(config, metrics)
 
     def _llm_stage(self, config: LLMConfig, metrics: Metrics) -> LLMStage:
@@ -125,6 +125,7 @@ class ChatModel:
             raise RequestError("messages", f"model {self.name} has no chat template; use /v1/completions")
         # Rendered, then tokenized as apply_chat_template(tokenize=True) does, so the length is checked in between.
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(text, str)  # tokenize=False: the rendered text of one conversation
         return self._tokenize(text, "messages", add_special_tokens=False)
 
     def _tokenize(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:

@@ -101,7 +101,8 @@ class Engine:
 
     def _load(self, spec: ModelSpec) -> None:
         family = spec.family or detect_family(spec.path)
-        context = LoadContext(self.metrics, self.prompt_cache, self.encoder_cache, self.config.limits)
+        context = LoadContext(self.metrics, self.prompt_cache, self.encoder_cache, self.config.limits, self.media,
+                              self.config.media.workers, self.config.media.image)
         served: ServedModel = served_class(family)(spec, family, context, _random_weights(spec))
         for kind, stage, default in served.stages():
             self.executor.add_pool(f"{spec.name}/{kind}", stage, spec.pool(kind, default))
@@ -149,7 +150,7 @@ class Engine:
     def _of_kind(self, kind: type) -> dict[str, ServedModel]:
         return {name: served for name, served in self._served.items() if isinstance(served, kind)}
 
-    def _served_as(self, model: str, kind: type):
+    def _served_as(self, model: str, kind: Any):
         """The served model of one kind, or a 404 naming the models of that kind."""
         served = self._served.get(model)
         if not isinstance(served, kind):
@@ -202,6 +203,14 @@ class Engine:
             raise RequestError("model", f"model {model!r} does not exist; available: {families}",
                                code="model_not_found", status=404)
         return served.model
+
+    def check_image(self, model: str, request: ImageRequest) -> None:
+        """The checks of an image request that need no input image (an edit's, before its upload is fetched or
+        decoded); RequestErrors name the field. submit_image runs them again with the rest."""
+        self.family(model)
+        served = self._served[model]
+        assert isinstance(served, ServedDiffusion)
+        served.check_fields(request)
 
     def submit_image(self, model: str, request: ImageRequest, *, request_id: str | None = None) -> RequestHandle:
         """Validate (cheap checks, before any model work), then run the image graph.
@@ -316,15 +325,15 @@ class Engine:
             raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
 
     def _fetch_event(self, outcome) -> None:
-        self.metrics.media_fetches.labels(kind=outcome.kind, outcome=outcome.error_code or "ok").inc()
-        self.metrics.media_fetch_bytes.labels(kind=outcome.kind).inc(outcome.nbytes)
+        self.metrics.media.fetches.labels(kind=outcome.kind, outcome=outcome.error_code or "ok").inc()
+        self.metrics.media.fetch_bytes.labels(kind=outcome.kind).inc(outcome.nbytes)
 
     def _cache_event(self, cache: str, kind: str, bytes_held: int) -> None:
         if kind == "hit":
-            self.metrics.cache_hits.labels(cache=cache).inc()
+            self.metrics.cache.hits.labels(cache=cache).inc()
         elif kind == "miss":
-            self.metrics.cache_misses.labels(cache=cache).inc()
-        self.metrics.cache_bytes.labels(cache=cache).set(bytes_held)
+            self.metrics.cache.misses.labels(cache=cache).inc()
+        self.metrics.cache.bytes.labels(cache=cache).set(bytes_held)
 
 
 def _random_weights(spec: ModelSpec) -> bool:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.diffusion.step_cache import StepCacheParams
 from stages.events import StageError
+
+if TYPE_CHECKING:
+    from stages.media.stage import DecodeImages, EncodeImages
 
 
 class Task(str, enum.Enum):
@@ -57,6 +60,10 @@ class ImageRequest:
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs (max_sequence_length, ...)
     # Opt-in approximate step caching: {"method": "teacache" | "fbcache" | "interval", "threshold" | "interval"}
     step_cache: StepCacheParams | dict | None = None
+    # The server's requests end in encoded files (the media_encode node); None: the outputs stay pixels.
+    output: EncodeImages | None = None
+    # The server's edits start from uploaded bytes (the media_decode node fills image and mask); None: given.
+    source: DecodeImages | None = None
 
     def validate(self, *, size_factor: int, default_size: int, default_steps: int, default_guidance: float,
                  limits: ImageLimits) -> "ImageRequest":
@@ -115,4 +122,4 @@ class ImageRequest:
             prompt=self.prompt, task=self.task, negative_prompt=self.negative_prompt, width=width, height=height,
             n=self.n, num_inference_steps=steps, guidance_scale=guidance, seed=seed, strength=self.strength,
             image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews, extra=dict(self.extra),
-            step_cache=step_cache)
+            step_cache=step_cache, output=self.output)

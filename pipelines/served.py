@@ -8,6 +8,8 @@ runs every request the same way (`Engine.submit`). pipelines/registry.py maps ea
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -26,14 +28,17 @@ from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
 from pipelines.vlm import VLM_FAMILY, VLMChatModel
 from stages.diffusion.stages import DenoiseStage, TextEncodeStage, VaeDecodeStage
-from stages.graph import StageGraph
+from stages.graph import Node, StageGraph
 from stages.llm.params import SamplingParams
+from stages.media.image import ImageDecodeLimits
+from stages.media.stage import MediaDecodeStage, MediaEncodeStage
 from stages.metrics import Metrics
 from stages.pool import PoolConfig
 from stages.stage import Stage
 
 if TYPE_CHECKING:
     from pipelines.engine import Engine
+    from stages.media.pool import MediaPool
 
 REALTIME_VIDEO_TASK = "realtime-video"  # ModelInfo.tasks of a model that serves WS /v1/realtime/video sessions
 
@@ -62,17 +67,21 @@ class Execution:
 
 @dataclass(frozen=True)
 class LoadContext:
-    """What loading a model may use of the engine: its metrics, its caches and its request limits."""
+    """What loading a model may use of the engine: its metrics, caches, request limits and media workers."""
 
     metrics: Metrics
     prompt_cache: EncoderCache
     encoder_cache: EncoderCache
     limits: ImageLimits
+    media: Callable[[], MediaPool]  # the engine's media worker processes (started on first use)
+    media_workers: int  # how many: the media stages keep as many tasks in flight
+    decode_limits: ImageDecodeLimits  # what an uploaded image may be (bytes, pixels, formats)
 
 
 class ServedModel(Protocol):
     name: str
     info: ModelInfo
+    model: Any  # what was loaded: an ImageFamily, ChatModel, EmbeddingModel, SpeechModel, ...
     does: ClassVar[str]  # what it does, for errors: "chat", "make speech", ...
     kinds: ClassVar[str]  # its kind in the plural, for errors: "chat models", ...
 
@@ -99,7 +108,8 @@ def chain(model: str, *kinds: str) -> StageGraph:
 
 
 class ServedDiffusion:
-    """An image or video diffusion family: text_encode -> denoise (the loop) -> vae_decode."""
+    """An image or video diffusion family: text_encode -> denoise (the loop) -> vae_decode, then media_encode
+    when the request asks for encoded files (the server's do; the Python API's keep pixels)."""
 
     does, kinds = "generate images or videos", "diffusion models"
 
@@ -110,6 +120,7 @@ class ServedDiffusion:
                                   prompt_cache=ctx.prompt_cache, **options)
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
+        self.media, self.media_workers, self.decode_limits = ctx.media, ctx.media_workers, ctx.decode_limits
         tasks = _realtime_video(family_name, family.tasks)
         if isinstance(family, VideoFamily):
             (width, height), video = family.request_default_size, family.video_defaults
@@ -120,11 +131,65 @@ class ServedDiffusion:
                                   random_weights=random_weights)
 
     def stages(self):
-        return (("text_encode", TextEncodeStage(self.model), None), ("denoise", DenoiseStage(self.model), None),
-                ("vae_decode", VaeDecodeStage(self.model), None))
+        stages = (("text_encode", TextEncodeStage(self.model), None), ("denoise", DenoiseStage(self.model), None),
+                  ("vae_decode", VaeDecodeStage(self.model), None))
+        if isinstance(self.model, VideoFamily):  # videos are encoded by their job (serve/job_runner.py)
+            return stages
+        media = PoolConfig(replicas=self.media_workers, max_queue=256)
+        decode = MediaDecodeStage(self.name, self.media, self.decode_limits, self.finalize)
+        return (("media_decode", decode, media), *stages, ("media_encode", MediaEncodeStage(self.name, self.media),
+                                                           media))
 
     def execution(self, request: ImageRequest | VideoRequest) -> Execution:
-        return Execution(chain(self.name, "text_encode", "denoise", "vae_decode"), {"request": self.check(request)})
+        if isinstance(request, VideoRequest):
+            return Execution(chain(self.name, "text_encode", "denoise", "vae_decode"), {"request": self.check(request)})
+        inputs: dict[str, Any] = {}
+        if request.source is not None:  # an upload to decode first: check what needs no image now
+            self.check_fields(request)
+            inputs["request"], inputs["decode"] = request, request.source
+        else:
+            inputs["request"] = self.check(request)
+        if request.output is not None:
+            inputs["encode"] = request.output
+        return Execution(self.image_graph(decode=request.source is not None, encode=request.output is not None),
+                         inputs)
+
+    def image_graph(self, *, decode: bool, encode: bool) -> StageGraph:
+        """[media_decode ->] text_encode -> denoise -> vae_decode [-> media_encode]. After media_decode every
+        model node also reads it (the request it finalized, with its images and drawn seed); a node reads its
+        inputs from the nodes it names, the later one winning."""
+        first: tuple[str, ...] = ("media_decode",) if decode else ()
+        nodes = [Node(kind, f"{self.name}/{kind}", after) for kind, after in (
+            ("text_encode", first), ("denoise", (*first, "text_encode")), ("vae_decode", (*first, "denoise")))]
+        if decode:
+            nodes.insert(0, Node("media_decode", f"{self.name}/media_decode"))
+        if encode:
+            nodes.append(Node("media_encode", f"{self.name}/media_encode", ("vae_decode",)))
+        return StageGraph(tuple(nodes), nodes[-1].name)
+
+    def check_fields(self, request: ImageRequest) -> None:
+        """An edit's own fields against the model and limits, before its upload is decoded (the image-dependent
+        checks run in `finalize`). Unset steps and guidance stay valid here (the family default comes later)."""
+        if request.task.value not in self.info.tasks:
+            raise RequestError("model", f"model {self.name} does not support {request.task.value}; it supports "
+                                        f"{list(self.info.tasks)}")
+        limits = self.limits
+        dataclasses.replace(request, task=Task.TEXT_TO_IMAGE, image=None, mask=None, source=None).validate(
+            size_factor=self.info.size_factor, default_size=self.info.default_size, default_steps=limits.max_steps,
+            default_guidance=0.0, limits=limits)
+
+    def finalize(self, request: ImageRequest, image, mask) -> ImageRequest:
+        """The edit with its decoded image and mask, checked (media_decode calls it): with size auto it keeps the
+        image's size, rounded down to the model's multiple."""
+        factor = self.info.size_factor
+        width, height = request.width, request.height
+        if width is None and height is None:
+            width, height = (dim // factor * factor for dim in image.size)
+            if width < factor or height < factor:
+                raise RequestError("image", f"image is {image.size[0]}x{image.size[1]}; this model needs at least "
+                                            f"{factor}x{factor}", code="image_too_small")
+        edit = dataclasses.replace(request, image=image, mask=mask, width=width, height=height, source=None)
+        return self.model.validate(edit, self.limits)
 
     def check(self, request: ImageRequest | VideoRequest) -> ImageRequest | VideoRequest:
         """The request as it will run (defaults filled, a seed drawn), or the field-naming RequestError."""
@@ -141,6 +206,7 @@ class ServedDiffusion:
         if isinstance(self.model, VideoFamily):  # a small video: one latent frame past the first
             from PIL import Image
 
+            assert info.video_defaults is not None  # a video family's info always has them
             size, frames = info.size_factor, info.video_defaults["frame_factor"] + 1
             image = None if "text-to-video" in info.tasks else Image.new("RGB", (size, size), (128, 128, 128))
             for (width, height), num_frames in [(s, f) for s in graphs.sizes or [(size, size)]
@@ -198,7 +264,8 @@ class ServedVLM(ServedChat):
 
     def _load(self, spec: ModelSpec, ctx: LoadContext) -> ChatModel:
         # A reload gets a new weights id (file fingerprint); entries of the old weights are dropped now.
-        ctx.encoder_cache.invalidate(lambda key: key[1].startswith(f"{VLM_FAMILY}:{spec.path}:"))
+        stale = f"{VLM_FAMILY}:{spec.path}:"
+        ctx.encoder_cache.invalidate(lambda key: key[1].startswith(stale))  # type: ignore[index]  # (tenant, id, ..)
         return VLMChatModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.llm, vlm=spec.vlm,
                             metrics=ctx.metrics, cache=ctx.encoder_cache)
 

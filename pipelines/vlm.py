@@ -60,7 +60,7 @@ class VLMChatModel(ChatModel):
                                   kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
                                   mrope=self.adapter.uses_mrope)
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)  # None: no refusal before tokenizing
-        self._tokenized_chars = metrics.llm_tokenized_chars.labels(model=name)
+        self._tokenized_chars = metrics.llm.tokenized_chars.labels(model=name)
         self.stage = self._llm_stage(config, metrics)
         self.encode_stage = VisionEncodeStage(name, self.adapter, cache, metrics, vlm.max_items_per_forward)
 
@@ -134,7 +134,9 @@ class VLMChatModel(ChatModel):
                                code="context_length_exceeded")
         mrope = None
         if self.adapter.uses_mrope and tasks:
-            positions, delta = self.adapter.rope_positions(prompt, [t.geometry for t in tasks])
+            rope = self.adapter.rope_positions(prompt, [t.geometry for t in tasks])
+            assert rope is not None  # an M-RoPE adapter gives the positions
+            positions, delta = rope
             mrope = MRoPE(positions, delta)
         # Tokens after a media span depend on it: the prefix-cache namespace carries every media identity.
         namespace = (self.weights_id, None, request.tenant, tuple(t.identity for t in tasks))
@@ -158,6 +160,7 @@ class VLMChatModel(ChatModel):
         if not renderer.chat_template:
             raise RequestError("messages", f"model {self.name} has no chat template; use /v1/completions")
         text = renderer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(text, str)  # tokenize=False: the rendered text of one conversation
         return self._tokenize(text, "messages", add_special_tokens=False)  # refused unread when far too long
 
 

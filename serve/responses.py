@@ -28,15 +28,20 @@ _NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "tex
              "output_tokens": 0, "total_tokens": 0}  # no token accounting for diffusion models
 
 
-async def respond(request: Request, handle: RequestHandle, params: ImageParams, event_prefix: str):
-    """The reply to an admitted image request: SSE when `stream`, else one JSON body."""
+async def respond(request: Request, handle: RequestHandle, params: ImageParams, event_prefix: str,
+                  settled_after: str | None = None):
+    """The reply to an admitted image request: SSE when `stream`, else one JSON body.
+
+    `settled_after`: a graph node whose failure is still the request's (a decode error answers 4xx, not a
+    stream with an error in it): a stream starts once the request has passed it."""
     headers = {"x-request-id": handle.request_id}
     if params.stream:
+        if settled_after is not None:
+            await _passed(request, handle, settled_after)
         return StreamingResponse(_sse(request, handle, params, event_prefix), media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outputs = await result_or_cancel(request, handle)
-    images = outputs["images"]
-    encoded = await encode(request, images, params)
+    images, encoded = outputs["images"], outputs["encoded"]  # the graph's media_encode node
     body = {
         "created": int(time.time()),
         "data": [_image_entry(request, data, params) for data in encoded],
@@ -58,6 +63,23 @@ async def result_or_cancel(request: Request, handle: RequestHandle) -> dict[str,
             handle.cancel()
 
 
+async def _passed(request: Request, handle: RequestHandle, node: str) -> None:
+    """Wait until the request has left `node` (a later node started, or it ended); its error there raises."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+    try:
+        async for event in handle:  # a handle's iteration starts from its first event: the stream sees all
+            if event.kind is EventKind.ERROR:
+                raise StageError.from_event(event)
+            if event.terminal or (event.kind is EventKind.STAGE_STARTED and event.stage != node):
+                return
+    except BaseException:
+        if not handle.done:
+            handle.cancel()
+        raise
+    finally:
+        watcher.cancel()
+
+
 async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(_DISCONNECT_POLL_S)
@@ -65,11 +87,10 @@ async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None
 
 
 async def encode(request: Request, images: list, params: ImageParams) -> list[bytes]:
-    engine = request.app.state.engine
-    quality = None
-    if params.output_format != "png" and params.output_compression is not None:
-        quality = max(1, params.output_compression)  # encoders take 1..100
-    return await asyncio.to_thread(engine.encode_images, images, params.output_format, quality)
+    """Stream previews (partial images), encoded in the media workers as they come."""
+    encoding = params.encoding
+    return await asyncio.to_thread(request.app.state.engine.encode_images, images, encoding.format,
+                                   encoding.quality)
 
 
 def _image_entry(request: Request, data: bytes, params: ImageParams) -> dict[str, str]:
@@ -114,8 +135,7 @@ async def _sse(request: Request, handle: RequestHandle, params: ImageParams, pre
                     partial_index += 1
             elif event.kind is EventKind.FINAL:
                 outputs = event.data["outputs"]
-                encoded = await encode(request, outputs["images"], params)
-                for i, (image, data) in enumerate(zip(outputs["images"], encoded, strict=True)):
+                for i, (image, data) in enumerate(zip(outputs["images"], outputs["encoded"], strict=True)):
                     yield sse(f"{prefix}.completed", {
                         "type": f"{prefix}.completed", "b64_json": base64.b64encode(data).decode("ascii"),
                         "size": size_string(image), "created_at": now, "usage": _NO_USAGE,

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipelines.image_request import ImageRequest, RequestError, Task
 from stages.diffusion.step_cache import MAX_INTERVAL, MAX_THRESHOLD
+from stages.media.stage import EncodeImages
 
 ResponseFormat = Literal["b64_json", "url"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -116,10 +117,18 @@ class ImageParams(BaseModel):
             seed=self.seed, image=image, mask=mask, tenant=tenant,
             step_cache=self.step_cache.params() if self.step_cache is not None else None,
             # Previews only make sense on a stream; computing them otherwise would waste VAE decodes.
-            previews=(self.partial_images or 0) if self.stream else 0)
+            previews=(self.partial_images or 0) if self.stream else 0, output=self.encoding)
         if strength is not None:
             request.strength = strength
         return request
+
+    @property
+    def encoding(self) -> EncodeImages:
+        """How the reply's images are encoded (the graph's media_encode node)."""
+        quality = None
+        if self.output_format != "png" and self.output_compression is not None:
+            quality = max(1, self.output_compression)  # encoders take 1..100
+        return EncodeImages(self.output_format, quality)
 
     @property
     def wants_url(self) -> bool:

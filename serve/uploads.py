@@ -1,13 +1,12 @@
-"""Multipart input of /v1/images/edits: read the form within limits, split files from fields, decode.
+"""Multipart input of /v1/images/edits: read the form within limits, split files from fields, fetch references.
 
-Decoding goes through the engine's media workers (codecs are attack surface, DESIGN §3), in a
-thread so the event loop keeps serving; it runs only after every cheap check has passed.
+Decoding is the graph's first node (media_decode, in the engine's media workers: codecs are attack surface,
+DESIGN §3); it runs only after every cheap check has passed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +15,9 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
-from pipelines.image_request import ImageRequest, RequestError, Task
 from serve.bodies import read_json_object
 from serve.errors import ApiError
+from stages.media.stage import DecodeImages
 
 FILE_FIELDS = {"image": "image", "image[]": "image", "mask": "mask"}  # the openai client sends lists as image[]
 
@@ -108,51 +107,12 @@ async def _read_file(upload: UploadFile, param: str, max_bytes: int) -> bytes:
     return data
 
 
-def precheck(engine, model: str, request: ImageRequest) -> None:
-    """The request's own fields against the model and limits, before any bytes are decoded.
+async def fetch_sources(engine, upload: EditUpload) -> DecodeImages:
+    """The upload's image and mask bytes, fetched safely when they are references (data:, http(s)://, file://)."""
+    async def load(source: bytes | str, param: str) -> bytes:
+        return source if isinstance(source, bytes) else await engine.load_source(source, param=param)
 
-    The same checks run again in `engine.submit_image` with the decoded image; here we only want
-    an out-of-range field to be refused without paying for a decode. Unset steps/guidance stay
-    unset-and-valid (the family default is checked later).
-    """
-    info = engine.models[model]
-    limits = engine.config.limits
-    dataclasses.replace(request, task=Task.TEXT_TO_IMAGE, image=None, mask=None).validate(
-        size_factor=info.size_factor, default_size=info.default_size, default_steps=limits.max_steps,
-        default_guidance=0.0, limits=limits)
-
-
-async def decode_inputs(engine, upload: EditUpload):
-    """(image, mask or None) as PIL images: fetched if referenced, decoded concurrently in the media workers."""
-    async def decode(source: bytes | str, param: str, mode: str):
-        data = source if isinstance(source, bytes) else await engine.load_source(source, param=param)
-        return await asyncio.to_thread(engine.decode_image, data, param=param, mode=mode)
-
-    image_job = decode(upload.image, upload.image_param, "RGB")
     if upload.mask is None:
-        return await image_job, None
-    image, mask_rgba = await asyncio.gather(image_job, decode(upload.mask, "mask", "RGBA"))
-    return image, await asyncio.to_thread(repaint_mask, mask_rgba)
-
-
-def repaint_mask(mask_rgba):
-    """A mask upload -> the engine's convention (mode "L", white = repaint).
-
-    OpenAI's convention is an RGBA mask whose transparent pixels mark where to edit; a mask
-    with no transparency is read the diffusers way (white = repaint), so both kinds work.
-    """
-    from PIL import ImageOps
-
-    alpha = mask_rgba.getchannel("A")
-    if alpha.getextrema()[0] < 255:
-        return ImageOps.invert(alpha)
-    return mask_rgba.convert("L")
-
-
-def edit_size(image, size_factor: int) -> tuple[int, int] | None:
-    """With size "auto", an edit keeps the input's size, rounded down to the model's multiple."""
-    width, height = (dim // size_factor * size_factor for dim in image.size)
-    if width < size_factor or height < size_factor:
-        raise RequestError("image", f"image is {image.size[0]}x{image.size[1]}; this model needs at least "
-                                    f"{size_factor}x{size_factor}", code="image_too_small")
-    return width, height
+        return DecodeImages(await load(upload.image, upload.image_param), None, upload.image_param)
+    image, mask = await asyncio.gather(load(upload.image, upload.image_param), load(upload.mask, "mask"))
+    return DecodeImages(image, mask, upload.image_param)

@@ -31,7 +31,7 @@ class GraphMetrics:
 class GraphObserver:
     """Where a runner reports what it did (metrics); the base class keeps counts for tests and logs."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.replays = self.rows = self.padded_rows = self.captures = 0
         self.eager_calls: dict[str, int] = {}
         self.capture_seconds = 0.0

@@ -18,7 +18,7 @@ class StageGraph:
     nodes: tuple[Node, ...]
     output: str  # the node whose outputs end the request
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         names = [n.name for n in self.nodes]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate node names in graph: {names}")

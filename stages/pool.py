@@ -60,7 +60,7 @@ class StagePool:
         self.config = config
         self.metrics = metrics
         # A CPU pool computes only while it holds `threads` of the shared budget; other pools do not wait.
-        self._budget = budget if config.device == "cpu" else None
+        self._budget = budget if config.device == "cpu" and stage.torch_threads else None
         self.threads = config.threads or default_threads(config.replicas)  # torch threads per worker
         self._on_done = on_done
         self._on_drop = on_drop
@@ -70,12 +70,12 @@ class StagePool:
         self._stopping = False
         self._threads: list[threading.Thread] = []
         labels = dict(stage=name, model=stage.model)
-        self._m_queue_age = metrics.queue_age.labels(**labels)
-        self._m_run = metrics.run_time.labels(**labels)
-        self._m_batch = metrics.batch_size.labels(**labels)
-        self._m_depth = metrics.queue_depth.labels(**labels)
-        self._m_active = metrics.active.labels(**labels)
-        self._m_thread_wait = metrics.thread_wait.labels(**labels)
+        self._m_queue_age = metrics.stage.queue_age.labels(**labels)
+        self._m_run = metrics.stage.run_time.labels(**labels)
+        self._m_batch = metrics.stage.batch_size.labels(**labels)
+        self._m_depth = metrics.stage.queue_depth.labels(**labels)
+        self._m_active = metrics.stage.active.labels(**labels)
+        self._m_thread_wait = metrics.stage.thread_wait.labels(**labels)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -250,7 +250,7 @@ class StagePool:
                 if self._queue or active:
                     break
                 self._cond.wait()
-            joining = []
+            joining: list[WorkItem] = []
             while self._queue and len(active) + len(joining) < self._loop_capacity():
                 joining.append(self._queue.popleft())
             self._active[worker] = len(active) + len(joining)
@@ -263,7 +263,7 @@ class StagePool:
 
     # -- shared helpers -----------------------------------------------------------------
     def _pop_matching(self, key, limit: int) -> list[WorkItem]:
-        taken = []
+        taken: list[WorkItem] = []
         for item in list(self._queue):
             if len(taken) >= limit:
                 break

@@ -44,6 +44,7 @@ class Stage:
 
     kind: str = "stage"
     model: str = ""  # metric label
+    torch_threads: bool = True  # False: the work runs elsewhere (media worker processes); no CPU thread budget
 
     def batch_key(self, item: WorkItem) -> Hashable:
         return None

@@ -89,6 +89,14 @@ def test_lossless_round_trip_is_exact_up_to_int16(fmt, channels):
     np.testing.assert_array_equal(out.samples * 32768, np.round(src[:, 0] * 32767))
 
 
+@pytest.mark.parametrize("channels", [3, 6, 8])
+def test_flac_with_more_channels_round_trips(channels):
+    src = np.stack([_sine(440.0, 0.5)] * channels, axis=1)  # FLAC takes up to 8 channels (2.1 ... 7.1)
+    data = encode_audio(src, RATE, "flac")
+    assert probe_audio(data).channels == channels
+    assert abs(_peak_hz(decode_audio(data, sample_rate=RATE).samples, RATE) - 440.0) < 3
+
+
 def test_pcm_round_trip_is_exact_and_needs_rawpcm():
     src = _sine(1000.0, 0.5)
     data = encode_audio(src, RATE, "pcm")

@@ -239,7 +239,7 @@ def test_cpu_models_decode_at_most_two_images_per_vae_call():
 def test_the_stage_workers_of_a_served_model_use_their_pools_threads(sd_path):
     pools = {"denoise": PoolConfig(threads=1), "vae_decode": PoolConfig(threads=2)}
     with running_engine(sd_path, pools=pools) as eng:
-        family = eng._families["m"]
+        family = eng.family("m")
         seen: dict[str, list[int]] = {"forward": [], "decode": []}
         forward, decode = family.forward, family.decode
 

@@ -11,7 +11,7 @@ from serve.models import resolve_model
 from serve.responses import respond
 from serve.schemas import ImageEditRequest, ImageGenerationRequest
 from serve.signed_urls import check_image_access, image_not_found
-from serve.uploads import decode_inputs, edit_size, precheck, read_edit_form, read_edit_json
+from serve.uploads import fetch_sources, read_edit_form, read_edit_json
 
 router = APIRouter()
 
@@ -35,13 +35,12 @@ async def edit_image(request: Request, tenant: str = Depends(tenant_of)):
     params = ImageEditRequest.model_validate(upload.fields)
     task = Task.INPAINTING if upload.mask is not None else Task.IMAGE_TO_IMAGE
     model = resolve_image_model(engine, params.model, task)
-    precheck(engine, model, params.image_request(task=task, tenant=tenant))
-    # 2. fetch referenced images (safely), decode (media workers), then run
-    image, mask = await decode_inputs(engine, upload)
-    default_size = edit_size(image, engine.models[model].size_factor)
-    handle = engine.submit_image(model, params.image_request(task=task, tenant=tenant, image=image, mask=mask,
-                                                             strength=params.strength, default_size=default_size))
-    return await respond(request, handle, params, "image_edit")
+    edit = params.image_request(task=task, tenant=tenant, strength=params.strength)
+    engine.check_image(model, edit)  # every field, before any fetch or decode
+    # 2. fetch referenced images (safely); the graph decodes them (media_decode), edits and encodes
+    edit.source = await fetch_sources(engine, upload)
+    handle = engine.submit_image(model, edit)
+    return await respond(request, handle, params, "image_edit", settled_after="media_decode")
 
 
 @router.get("/v1/files/images/{name}", name="get_image_file")

@@ -49,7 +49,7 @@ class DenoiserCall:
         self.stacks: dict[str, BlockStack] = {}  # denoiser key -> its wrapped blocks (models that allow caching)
         self.runners: dict[str, GraphRunner] = {}  # denoiser key -> its graph runner (created at first call)
         self.observer = MetricsObserver(metrics, "denoise", model) if metrics is not None else GraphObserver()
-        self._pool = None  # one CUDA memory pool for every capture of this model
+        self._pool: Any = None  # one CUDA memory pool for every capture of this model (an opaque handle)
         self._first_calls: set = set()  # (key, signature) seen: a compiled block's first call compiles
         self.sealed = False
 
@@ -109,7 +109,7 @@ class DenoiserCall:
         seconds = time.perf_counter() - started
         self._first_calls.add(shape)
         if self.metrics is not None:
-            self.metrics.compile_seconds.labels(stage="denoise", model=self.model).inc(seconds)
+            self.metrics.denoise.compile_seconds.labels(stage="denoise", model=self.model).inc(seconds)
         log.info("%s/%s: first call of %d rows took %.2f s (compile warm-up)", self.model, key, shape[1][0], seconds)
         return out
 
@@ -118,5 +118,5 @@ class DenoiserCall:
             return
         for g, computed in zip(groups, decisions):
             if g.state is not None:
-                self.metrics.step_cache_steps.labels(model=self.model, method=g.state.params.method,
-                                                     outcome="computed" if computed else "skipped").inc()
+                self.metrics.denoise.step_cache_steps.labels(model=self.model, method=g.state.params.method,
+                                                             outcome="computed" if computed else "skipped").inc()

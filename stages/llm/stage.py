@@ -41,7 +41,7 @@ class GenerationRequest:
     params: SamplingParams
     # Prefix-cache identity beyond the tokens: (weights id, adapter, tenant[, media identities]). Tokens
     # after a media span depend on the media, so a prompt with media carries every media identity.
-    namespace: Hashable
+    namespace: tuple
     media: tuple[MediaSpan, ...] = ()  # placeholder spans; features arrive from vision_encode ("features")
     mrope: MRoPE | None = None  # 3-D prompt positions for M-RoPE models
     more_prompts: tuple[tuple[int, ...], ...] = ()  # a list of prompts: the ones after prompt_ids (text only)
@@ -124,7 +124,7 @@ class LLMStage(LoopStage):
             self._observe()
             return
         logits = self.runner.execute(plan)  # 2. run
-        self.metrics.llm_forward_seqs.labels(model=self.model).observe(len(plan.chunks))
+        self.metrics.llm.forward_seqs.labels(model=self.model).observe(len(plan.chunks))
         self.scheduler.commit(plan)  # 3. commit: KV of the plan's chunks is written
         self._sample_and_publish(plan, logits)
         self._observe()
@@ -154,12 +154,12 @@ class LLMStage(LoopStage):
                 continue
             if item.state["first"] is None:
                 item.state["first"] = now
-                self.metrics.llm_ttft.labels(model=self.model).observe(now - item.state["started"])
+                self.metrics.llm.ttft.labels(model=self.model).observe(now - item.state["started"])
             elif item.state["last"] != now:
-                self.metrics.llm_itl.labels(model=self.model).observe(now - item.state["last"])
+                self.metrics.llm.itl.labels(model=self.model).observe(now - item.state["last"])
             item.state["last"] = now
             self._append(item, seq, out.token_ids[r], out.logprobs[r], out.top_logprobs[r])
-        self.metrics.llm_tokens.labels(model=self.model).inc(len(rows))
+        self.metrics.llm.tokens.labels(model=self.model).inc(len(rows))
 
     def _append(self, item: WorkItem, seq: Sequence, token: int, logprob, top) -> None:
         p = seq.params
@@ -229,11 +229,11 @@ class LLMStage(LoopStage):
         self._owner.pop(seq.seq_id, None)
 
     def _observe(self) -> None:
-        m, model = self.metrics, self.model
-        m.llm_running.labels(model=model).set(len(self.scheduler.running))
-        m.llm_waiting.labels(model=model).set(len(self.scheduler.waiting))
-        m.llm_blocks.labels(model=model, state="free").set(self.blocks.num_free_blocks - self.blocks.num_cached_blocks)
-        m.llm_blocks.labels(model=model, state="used").set(self.blocks.num_used_blocks)
-        m.llm_blocks.labels(model=model, state="cached").set(self.blocks.num_cached_blocks)
-        m.llm_prefix_hit_tokens.labels(model=model).set(self.blocks.stats.hits)
-        m.llm_preemptions.labels(model=model).set(self.scheduler.num_preemptions)
+        m, model = self.metrics.llm, self.model
+        m.running.labels(model=model).set(len(self.scheduler.running))
+        m.waiting.labels(model=model).set(len(self.scheduler.waiting))
+        m.blocks.labels(model=model, state="free").set(self.blocks.num_free_blocks - self.blocks.num_cached_blocks)
+        m.blocks.labels(model=model, state="used").set(self.blocks.num_used_blocks)
+        m.blocks.labels(model=model, state="cached").set(self.blocks.num_cached_blocks)
+        m.prefix_hit_tokens.labels(model=model).set(self.blocks.stats.hits)
+        m.preemptions.labels(model=model).set(self.scheduler.num_preemptions)

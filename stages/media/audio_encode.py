@@ -136,7 +136,7 @@ class _AvEncoder:
         muxer, codec_name, per_channel = _AV_ENCODERS[fmt]
         codec = av.codec.Codec(codec_name, "w")
         self._rate = sample_rate
-        self._layout = {1: "mono", 2: "stereo"}.get(channels) or av.AudioLayout(channels).name
+        self._layout = av.AudioLayout(f"{channels}c").name  # mono, stereo, 2.1, 4.0, 5.0, 5.1, 6.1, 7.1
         self._file: io.BytesIO | _ChunkSink = io.BytesIO() if seekable else _ChunkSink()
         options = {"page_duration": str(_OGG_PAGE_US)} if muxer == "ogg" else {}
         self._container = av.open(self._file, "w", format=muxer, options=options)

@@ -186,8 +186,9 @@ class MediaPool:
                 continue
             started = time.monotonic()
             if self.metrics is not None:
-                self.metrics.queue_age.labels(stage=f"media/{task.fn_name}", model="").observe(
+                self.metrics.stage.queue_age.labels(stage=f"media/{task.fn_name}", model="").observe(
                     started - task.enqueued_at)
+            error: Exception | None
             value, error, lost = None, None, False
             for attempt in range(2):  # a second attempt only when the task never reached the worker
                 try:
@@ -195,6 +196,7 @@ class MediaPool:
                         worker = self._spawn()
                     value = self._execute(worker, task)
                 except _WorkerLost as e:
+                    assert worker is not None  # only _execute raises _WorkerLost
                     error, lost = e.error, True
                     if not e.delivered and attempt == 0:  # an idle worker died: the task is untouched, run it anew
                         self._stop(worker, kill=True)
@@ -206,6 +208,7 @@ class MediaPool:
                     error = e
                 break
             if lost:
+                assert worker is not None  # lost: _execute raised _WorkerLost on it
                 self._stop(worker, kill=True)
                 worker = None
             self._finish(task, started, value, error, lost)
@@ -250,11 +253,11 @@ class MediaPool:
     def _finish(self, task: _Task, started: float, value: Any, error: BaseException | None, lost: bool) -> None:
         if self.metrics is not None:
             m = self.metrics
-            m.run_time.labels(stage=f"media/{task.fn_name}", model="").observe(time.monotonic() - started)
+            m.stage.run_time.labels(stage=f"media/{task.fn_name}", model="").observe(time.monotonic() - started)
             outcome = "ok" if error is None else getattr(error, "code", type(error).__name__)
-            m.media_tasks.labels(function=task.fn_name, outcome=outcome).inc()
+            m.media.tasks.labels(function=task.fn_name, outcome=outcome).inc()
             if task.args and isinstance(task.args[0], (bytes, bytearray)):
-                m.media_bytes.labels(function=task.fn_name).inc(len(task.args[0]))
+                m.media.input_bytes.labels(function=task.fn_name).inc(len(task.args[0]))
         with self._lock:
             self.tasks_done += 1
             self.tasks_failed += error is not None
