@@ -39,10 +39,10 @@ from pipelines.served import (
 )
 from pipelines.tts import SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
-from pipelines.vlm import VLMChatModel, load_media
+from pipelines.vlm import VLMChatModel
 from stages.executor import GraphExecutor
 from stages.metrics import Metrics
-from stages.request_state import RequestHandle
+from stages.request_state import RequestHandle, settled
 from stages.thread_budget import ThreadBudget
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Engine:
     def _load(self, spec: ModelSpec) -> None:
         family = spec.family or detect_family(spec.path)
         context = LoadContext(self.metrics, self.prompt_cache, self.encoder_cache, self.config.limits, self.media,
-                              self.config.media.workers, self.config.media.image)
+                              self.config.media)
         served: ServedModel = served_class(family)(spec, family, context, _random_weights(spec))
         for kind, stage, default in served.stages():
             self.executor.add_pool(f"{spec.name}/{kind}", stage, spec.pool(kind, default))
@@ -193,8 +193,10 @@ class Engine:
         chat = served.model
         assert isinstance(chat, VLMChatModel)
         parsed = chat.parse(request)
-        media = await load_media(self, chat, parsed)
-        return self.run(model, served.execution_with_media(request, parsed, media), request_id=request_id)
+        sources = await asyncio.gather(*(self.load_source(p.url, param=p.param) for p in parsed.media))
+        handle = self.run(model, served.execution_with_media(request, parsed, list(sources)), request_id=request_id)
+        await settled(handle, "media_decode")  # its decode and prompt errors are the caller's, as a text one's
+        return handle
 
     def family(self, model: str) -> ImageFamily:
         served = self._served.get(model)

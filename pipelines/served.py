@@ -18,7 +18,8 @@ import numpy as np
 from encoders.cache import EncoderCache
 from pipelines.asr import ASR_FAMILY, ASR_POOL, TranscriptionModel, TranscriptionRequest
 from pipelines.chat import ChatModel, ChatRequest
-from pipelines.config import ModelSpec
+from pipelines.chat_parts import ParsedChat
+from pipelines.config import MediaConfig, ModelSpec
 from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
@@ -26,12 +27,11 @@ from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Tas
 from pipelines.registry import family_class
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
-from pipelines.vlm import VLM_FAMILY, VLMChatModel
+from pipelines.vlm import VLM_FAMILY, DecodeChatMedia, VLMChatModel, decode_chat_media
 from stages.diffusion.stages import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.graph import Node, StageGraph
 from stages.llm.params import SamplingParams
-from stages.media.image import ImageDecodeLimits
-from stages.media.stage import MediaDecodeStage, MediaEncodeStage
+from stages.media.stage import MediaDecodeStage, MediaEncodeStage, decode_images
 from stages.metrics import Metrics
 from stages.pool import PoolConfig
 from stages.stage import Stage
@@ -74,8 +74,12 @@ class LoadContext:
     encoder_cache: EncoderCache
     limits: ImageLimits
     media: Callable[[], MediaPool]  # the engine's media worker processes (started on first use)
-    media_workers: int  # how many: the media stages keep as many tasks in flight
-    decode_limits: ImageDecodeLimits  # what an uploaded image may be (bytes, pixels, formats)
+    media_config: MediaConfig  # their count (the media stages keep as many tasks in flight) and decode limits
+
+    @property
+    def media_pool(self) -> PoolConfig:
+        """The pool of a media stage: one request a call, as many at once as there are media workers."""
+        return PoolConfig(replicas=self.media_config.workers, max_queue=256)
 
 
 class ServedModel(Protocol):
@@ -120,7 +124,7 @@ class ServedDiffusion:
                                   prompt_cache=ctx.prompt_cache, **options)
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
-        self.media, self.media_workers, self.decode_limits = ctx.media, ctx.media_workers, ctx.decode_limits
+        self.media, self.media_pool, self.decode_limits = ctx.media, ctx.media_pool, ctx.media_config.image
         tasks = _realtime_video(family_name, family.tasks)
         if isinstance(family, VideoFamily):
             (width, height), video = family.request_default_size, family.video_defaults
@@ -135,8 +139,8 @@ class ServedDiffusion:
                   ("vae_decode", VaeDecodeStage(self.model), None))
         if isinstance(self.model, VideoFamily):  # videos are encoded by their job (serve/job_runner.py)
             return stages
-        media = PoolConfig(replicas=self.media_workers, max_queue=256)
-        decode = MediaDecodeStage(self.name, self.media, self.decode_limits, self.finalize)
+        media = self.media_pool
+        decode = MediaDecodeStage(self.name, self.media, decode_images(self.decode_limits), self.finalize)
         return (("media_decode", decode, media), *stages, ("media_encode", MediaEncodeStage(self.name, self.media),
                                                            media))
 
@@ -178,9 +182,10 @@ class ServedDiffusion:
             size_factor=self.info.size_factor, default_size=self.info.default_size, default_steps=limits.max_steps,
             default_guidance=0.0, limits=limits)
 
-    def finalize(self, request: ImageRequest, image, mask) -> ImageRequest:
+    def finalize(self, request: ImageRequest, decoded) -> dict[str, Any]:
         """The edit with its decoded image and mask, checked (media_decode calls it): with size auto it keeps the
         image's size, rounded down to the model's multiple."""
+        image, mask = decoded
         factor = self.info.size_factor
         width, height = request.width, request.height
         if width is None and height is None:
@@ -189,7 +194,7 @@ class ServedDiffusion:
                 raise RequestError("image", f"image is {image.size[0]}x{image.size[1]}; this model needs at least "
                                             f"{factor}x{factor}", code="image_too_small")
         edit = dataclasses.replace(request, image=image, mask=mask, width=width, height=height, source=None)
-        return self.model.validate(edit, self.limits)
+        return {"request": self.model.validate(edit, self.limits)}
 
     def check(self, request: ImageRequest | VideoRequest) -> ImageRequest | VideoRequest:
         """The request as it will run (defaults filled, a seed drawn), or the field-naming RequestError."""
@@ -234,6 +239,7 @@ class ServedChat:
         self.name = spec.name
         self.model: ChatModel = self._load(spec, ctx)
         self.info = ModelInfo(spec.name, family_name, spec.path, self.tasks, random_weights=random_weights)
+        self.ctx = ctx
 
     tasks: tuple[str, ...] = ("chat",)
 
@@ -272,14 +278,27 @@ class ServedVLM(ServedChat):
     def stages(self):
         model = self.model
         assert isinstance(model, VLMChatModel)
-        return (("vision_encode", model.encode_stage, None), ("llm", model.stage, None))
+        decode = MediaDecodeStage(self.name, self.ctx.media, decode_chat_media(model, self.ctx.media_config),
+                                  self.finalize)
+        return (("media_decode", decode, self.ctx.media_pool), ("vision_encode", model.encode_stage, None),
+                ("llm", model.stage, None))
 
-    def execution_with_media(self, request: ChatRequest, parsed, media) -> Execution:
-        """A request with image or video parts, its media fetched and decoded: vision_encode -> llm."""
+    def execution_with_media(self, request: ChatRequest, parsed: ParsedChat, sources: list[bytes]) -> Execution:
+        """A request with image or video parts, its sources fetched: media_decode -> vision_encode -> llm, and
+        llm reads media_decode too (the prompt it planned) besides the features: a fan-in."""
+        nodes = (Node("media_decode", f"{self.name}/media_decode"),
+                 Node("vision_encode", f"{self.name}/vision_encode", ("media_decode",)),
+                 Node("llm", f"{self.name}/llm", ("media_decode", "vision_encode")))
+        return Execution(StageGraph(nodes, "llm"), {"request": request,
+                                                     "decode": DecodeChatMedia(parsed, tuple(sources))})
+
+    def finalize(self, request: ChatRequest, decoded) -> dict[str, Any]:
+        """The prompt with every placeholder expanded, checked against the context (media_decode calls it)."""
         model = self.model
         assert isinstance(model, VLMChatModel)
+        parsed, media = decoded
         generation, tasks = model.generation_request_with_media(request, parsed, media)
-        return Execution(chain(self.name, "vision_encode", "llm"), {"request": generation, "media": tasks})
+        return {"request": generation, "media": tasks}
 
 
 class ServedEmbedding:

@@ -1,9 +1,10 @@
 """Vision-language chat models (LLaVA, Qwen2-VL, Qwen2.5-VL) loaded from standard checkpoints.
 
-A request's way: content parts are checked (chat_parts) -> sources fetched and decoded in the
-media workers (`load_media`) -> the chat template renders one placeholder per image / video,
-each placeholder is expanded to the item's feature length (planned from its size), the prompt
-is checked against the context with the media tokens counted -> vision_encode -> llm.
+A request's way: content parts are checked (chat_parts) -> sources fetched (Engine.asubmit_chat) -> the
+graph: media_decode (`decode_chat_media` in the media workers, then `generation_request_with_media`: the chat
+template renders one placeholder per image / video, each placeholder is expanded to the item's feature length
+(planned from its size), the prompt is checked against the context with the media tokens counted) ->
+vision_encode -> llm, which reads both (the prompt from media_decode, the features from vision_encode).
 
 The model is loaded once: its vision tower and projector serve the encoder adapter, its
 language model (paged attention) serves the runner.
@@ -11,23 +12,25 @@ language model (paged attention) serves the runner.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from encoders.cache import EncoderCache
 from encoders.vision import EncodeTask, MediaItem, adapter_class
 from pipelines.chat import ChatModel, ChatRequest, LLMConfig
 from pipelines.chat_parts import ParsedChat, VLMConfig, parse_messages
+from pipelines.config import MediaConfig
 from pipelines.image_request import RequestError
 from pipelines.token_bound import max_chars_per_token
 from stages.llm import attention
 from stages.llm.multimodal import MediaSpan, MRoPE
 from stages.llm.runner import DTYPES, ModelRunner
 from stages.llm.stage import GenerationRequest
+from stages.media.stage import result_of
 from stages.metrics import Metrics
 from stages.vision import VisionEncodeStage
 
@@ -164,32 +167,52 @@ class VLMChatModel(ChatModel):
         return self._tokenize(text, "messages", add_special_tokens=False)  # refused unread when far too long
 
 
-async def load_media(engine, model: VLMChatModel, parsed: ParsedChat) -> list[list[MediaItem]]:
-    """Fetch every source (concurrently), then decode it in the media workers; a video becomes one item,
-    or one image item per sampled frame for models that take videos as images."""
-    sources = await asyncio.gather(*(engine.load_source(p.url, param=p.param) for p in parsed.media))
-    out = []
-    for part, data in zip(parsed.media, sources):
-        if part.kind == "image":
-            image = await engine.run_media("decode_image", data, engine.config.media.image, param=part.param)
-            out.append([MediaItem("image", image.to_pil(), image.content_hash, image.height, image.width,
-                                  detail=part.detail)])
-            continue
-        limits = engine.config.media.video
-        fps = part.fps or model.vlm.default_video_fps
-        max_frames = min(part.max_frames or model.vlm.max_video_frames, model.vlm.max_video_frames)
-        info = await engine.run_media("probe_video", data, limits, param=part.param)
-        sampling = {"fps": fps} if math.ceil(info.duration_s * fps - 1e-6) <= max_frames else {"num_frames": max_frames}
-        video = await engine.run_media("decode_video", data, limits, param=part.param, **sampling)
-        if model.adapter.video_as_images:
-            from encoders.llava import frame_images
+@dataclass(frozen=True)
+class DecodeChatMedia:
+    """The media_decode task of a chat with media: its parsed messages and each part's fetched bytes."""
 
-            out.append([MediaItem("image", frame, f"{video.content_hash}#frame{i}", video.height, video.width)
-                        for i, frame in enumerate(frame_images(video.frames))])
-        else:
-            out.append([MediaItem("video", video.frames, video.content_hash, video.height, video.width, fps=video.fps,
-                                  frame_count=video.frame_count, indices=tuple(video.indices))])
-    return out
+    parsed: ParsedChat
+    sources: tuple[bytes, ...]  # parsed.media[i]'s bytes
+
+    def __repr__(self) -> str:  # never the bytes in a log line
+        return f"DecodeChatMedia({len(self.sources)} parts, {sum(map(len, self.sources))} bytes)"
+
+
+def decode_chat_media(model: VLMChatModel, media: MediaConfig):
+    """The decode of a chat's media in the media workers: every image decode and video probe in flight at once,
+    then each video sampled (by fps, or num_frames when that would pass the limit) and decoded. A video becomes
+    one item, or one image item per sampled frame for models that take videos as images."""
+    def decode(pool, task: DecodeChatMedia) -> tuple[ParsedChat, list[list[MediaItem]]]:
+        parts = task.parsed.media
+        first = [pool.submit("decode_image", data, media.image) if part.kind == "image" else
+                 pool.submit("probe_video", data, media.video) for part, data in zip(parts, task.sources)]
+        videos = {}
+        for i, (part, data) in enumerate(zip(parts, task.sources)):
+            if part.kind == "video":
+                info = result_of(first[i], part.param)
+                fps = part.fps or model.vlm.default_video_fps
+                max_frames = min(part.max_frames or model.vlm.max_video_frames, model.vlm.max_video_frames)
+                fits = math.ceil(info.duration_s * fps - 1e-6) <= max_frames
+                sampling = {"fps": fps} if fits else {"num_frames": max_frames}
+                videos[i] = pool.submit("decode_video", data, media.video, **sampling)
+        out = []
+        for i, part in enumerate(parts):
+            if part.kind == "image":
+                image = result_of(first[i], part.param)
+                out.append([MediaItem("image", image.to_pil(), image.content_hash, image.height, image.width,
+                                      detail=part.detail)])
+                continue
+            video = result_of(videos[i], part.param)
+            if model.adapter.video_as_images:
+                from encoders.llava import frame_images
+
+                out.append([MediaItem("image", frame, f"{video.content_hash}#frame{k}", video.height, video.width)
+                            for k, frame in enumerate(frame_images(video.frames))])
+            else:
+                out.append([MediaItem("video", video.frames, video.content_hash, video.height, video.width,
+                                      fps=video.fps, frame_count=video.frame_count, indices=tuple(video.indices))])
+        return task.parsed, out
+    return decode
 
 
 def _architecture(path: str) -> str:

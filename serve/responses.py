@@ -21,7 +21,7 @@ from serve.errors import error_body, stage_error_parts
 from serve.files import ImageStore
 from serve.schemas import ImageParams, size_string
 from stages.events import EventKind, StageError
-from stages.request_state import RequestHandle
+from stages.request_state import RequestHandle, settled
 
 _DISCONNECT_POLL_S = 0.1
 _NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
@@ -67,11 +67,7 @@ async def _passed(request: Request, handle: RequestHandle, node: str) -> None:
     """Wait until the request has left `node` (a later node started, or it ended); its error there raises."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
     try:
-        async for event in handle:  # a handle's iteration starts from its first event: the stream sees all
-            if event.kind is EventKind.ERROR:
-                raise StageError.from_event(event)
-            if event.terminal or (event.kind is EventKind.STAGE_STARTED and event.stage != node):
-                return
+        await settled(handle, node)
     except BaseException:
         if not handle.done:
             handle.cancel()

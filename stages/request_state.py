@@ -174,3 +174,14 @@ def _outputs_of(event: Event | None, request_id: str) -> dict[str, Any]:
     if event.kind is EventKind.ERROR:
         raise StageError.from_event(event)
     return event.data["outputs"]
+
+
+async def settled(handle: RequestHandle, node: str) -> None:
+    """Wait until the request has left `node` (a later node started, or it ended); its error there is raised
+    here (the request is over then). A handle's iteration starts from its first event: readers after this one
+    still see every event."""
+    async for event in handle:
+        if event.kind is EventKind.ERROR:
+            raise StageError.from_event(event)
+        if event.terminal or (event.kind is EventKind.STAGE_STARTED and event.stage != node):
+            return

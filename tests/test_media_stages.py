@@ -119,3 +119,31 @@ def test_a_streamed_edit_with_a_corrupt_upload_answers_400_before_streaming(tmp_
             assert f'mmserve_stage_run_seconds_count{{model="sd",stage="sd/{kind}"}}' in text, kind
     finally:
         server.stop()
+
+
+def test_a_chat_with_an_image_is_one_graph_where_llm_reads_its_prompt_and_its_features(tmp_path):
+    import base64
+
+    from pipelines.chat import ChatRequest, LLMConfig
+    from pipelines.demo import build_demo_model
+    from stages.llm.params import SamplingParams
+
+    path = str(build_demo_model("llava", tmp_path / "llava"))
+    uri = "data:image/png;base64," + base64.b64encode(_png(90, 60)).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                             {"type": "text", "text": "what is it?"}]}]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with running_engine(path, name="vlm", llm=LLMConfig(kv_cache_mb=8)) as eng:
+        handle = eng.submit_chat("vlm", ChatRequest(messages=messages, params=params))
+        events = list(handle.events(timeout=300))
+        assert [e.stage for e in events if e.kind is EventKind.STAGE_STARTED] == ["media_decode", "vision_encode",
+                                                                                  "llm"]
+        assert events[-1].kind is EventKind.FINAL and len(events[-1].data["outputs"]["choices"][0]["token_ids"]) == 3
+        for kind in ("media_decode", "vision_encode", "llm"):
+            labels = {"stage": f"vlm/{kind}", "model": "vlm"}
+            assert eng.metrics.registry.get_sample_value("mmserve_stage_run_seconds_count", labels) >= 1, kind
+        # a corrupt image is still refused at submit, naming its part, before anything is encoded
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+        with pytest.raises(StageError) as err:
+            eng.submit_chat("vlm", ChatRequest(messages=bad, params=params))
+        assert err.value.param == "messages[0].content[0].image_url.url" and err.value.status == 400

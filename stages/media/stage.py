@@ -51,35 +51,37 @@ class DecodeImages:
         return f"DecodeImages({len(self.image)} bytes{mask}, param {self.image_param!r})"
 
 
-# finalize(request, image, mask or None) -> the request as it runs (its checks that need the images).
-Finalize = Callable[[Any, Any, Any], Any]
+# decode(pool, task) -> what the task's bytes are, decoded in the pool's workers (it may submit several at once).
+Decode = Callable[[MediaPool, Any], Any]
+# finalize(request, decoded) -> the node's outputs: the request as it runs (its checks that need the media).
+Finalize = Callable[[Any, Any], dict[str, Any]]
 
 
 class MediaDecodeStage(Stage):
+    """media_decode: the request's `decode` task through `decode`, then `finalize` with what came out."""
+
     kind = "media_decode"
     torch_threads = False  # the work runs in the media worker processes
 
-    def __init__(self, model: str, media: Callable[[], MediaPool], limits: ImageDecodeLimits, finalize: Finalize):
+    def __init__(self, model: str, media: Callable[[], MediaPool], decode: Decode, finalize: Finalize):
         self.model = model
         self._media = media
-        self._limits = limits
+        self._decode = decode
         self._finalize = finalize
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        pending = [(item, self._submit(item.inputs["decode"])) for item in items]
-        return [self._finish(item, *futures) for item, futures in pending]
+        return [self._finalize(item.inputs["request"], self._decode(self._media(), item.inputs["decode"]))
+                for item in items]
 
-    def _submit(self, task: DecodeImages) -> tuple:
-        pool = self._media()
-        image = pool.submit("decode_image", task.image, self._limits, mode="RGB")
-        mask = None if task.mask is None else pool.submit("decode_image", task.mask, self._limits, mode="RGBA")
-        return image, mask
 
-    def _finish(self, item: WorkItem, image_future, mask_future) -> dict[str, Any]:
-        task: DecodeImages = item.inputs["decode"]
-        image: DecodedImage = _result(image_future, task.image_param)
-        mask = None if mask_future is None else edit_mask(_result(mask_future, "mask").to_pil())
-        return {"request": self._finalize(item.inputs["request"], image.to_pil(), mask)}
+def decode_images(limits: ImageDecodeLimits):
+    """The decode of an edit's upload: (image RGB, mask in the engine's convention or None), both at once."""
+    def decode(pool: MediaPool, task: DecodeImages):
+        image = pool.submit("decode_image", task.image, limits, mode="RGB")
+        mask = None if task.mask is None else pool.submit("decode_image", task.mask, limits, mode="RGBA")
+        decoded: DecodedImage = result_of(image, task.image_param)
+        return decoded.to_pil(), None if mask is None else edit_mask(result_of(mask, "mask").to_pil())
+    return decode
 
 
 def edit_mask(mask_rgba):
@@ -107,7 +109,7 @@ class MediaEncodeStage(Stage):
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         pending = [(item, self._submit(item)) for item in items]  # every image in flight before any wait
         return [{**{k: item.inputs[k] for k in _PASSED_ON if k in item.inputs},
-                 "encoded": [_result(future, "output_format") for future in futures]} for item, futures in pending]
+                 "encoded": [result_of(future, "output_format") for future in futures]} for item, futures in pending]
 
     def _submit(self, item: WorkItem) -> list:
         task: EncodeImages = item.inputs["encode"]
@@ -116,7 +118,7 @@ class MediaEncodeStage(Stage):
                 for image in item.inputs["images"]]
 
 
-def _result(future, param: str):
+def result_of(future, param: str):
     """A media task's result; its MediaError becomes the request's error, naming `param`."""
     try:
         return future.result()
