@@ -19,7 +19,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from pipelines.families.base import ImageFamily
 from pipelines.families.speedups import norm1_indicator
-from pipelines.image_request import ImageRequest, RequestError, Task
+from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
 from stages.diffusion.block_stack import CacheSpec
 from stages.diffusion.step_cache import TEACACHE_COEFFICIENTS
 from stages.stage import WorkItem
@@ -55,7 +55,7 @@ class FluxFamily(ImageFamily):
     def true_cfg_scale(request: ImageRequest) -> float:
         return float(request.extra.get("true_cfg_scale", 1.0))
 
-    def validate(self, request: ImageRequest, limits) -> ImageRequest:
+    def validate(self, request: ImageRequest, limits: ImageLimits) -> ImageRequest:
         request = super().validate(request, limits)
         msl = request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= MAX_SEQUENCE_LENGTH:

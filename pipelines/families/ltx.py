@@ -61,6 +61,7 @@ class LTXFamily(VideoFamily):
     def prepare(self, item: WorkItem) -> None:
         req, cond, scheduler, view, generator = self.begin(item)
         h, w, frames = req.height, req.width, req.num_frames
+        assert h is not None and w is not None and frames is not None  # validate() filled them
         channels = view.transformer.config.in_channels
 
         # 2.1 packed latents [1, tokens, C]; image-to-video: the first frame is the reference's
@@ -78,6 +79,7 @@ class LTXFamily(VideoFamily):
         t_ratio, s_ratio = view.vae_temporal_compression_ratio, view.vae_spatial_compression_ratio
         grid = ((frames - 1) // t_ratio + 1, h // s_ratio, w // s_ratio)  # latent frames, height, width
         steps = req.num_inference_steps
+        assert steps is not None  # validate() filled it
         mu = calculate_shift(grid[0] * grid[1] * grid[2], scheduler.config.get("base_image_seq_len", 256),
                              scheduler.config.get("max_image_seq_len", 4096), scheduler.config.get("base_shift", 0.5),
                              scheduler.config.get("max_shift", 1.15))

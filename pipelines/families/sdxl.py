@@ -17,7 +17,7 @@ from diffusers import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaint
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import retrieve_timesteps
 
 from pipelines.families.sd import StableDiffusionFamily
-from pipelines.image_request import ImageRequest, Task
+from pipelines.image_request import ImageLimits, ImageRequest, Task
 from stages.stage import WorkItem
 
 # Micro-conditioning defaults of the diffusers SDXL pipelines (__call__ arguments).
@@ -51,7 +51,7 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         # check_inputs demands multiples of 8 whatever the VAE; latents need the VAE's factor.
         return math.lcm(8, self.vae_scale_factor)
 
-    def validate(self, request: ImageRequest, limits) -> ImageRequest:
+    def validate(self, request: ImageRequest, limits: ImageLimits) -> ImageRequest:
         if request.task is Task.INPAINTING and request.guidance_scale is None:
             request = dataclasses.replace(request, guidance_scale=INPAINT_DEFAULT_GUIDANCE)
         return super().validate(request, limits)

@@ -16,7 +16,8 @@ from stages.stage import WorkItem
 
 
 class DenoiserSpeedups:
-    """Mixed into ImageFamily: `self.pipe`, `self.name`, `self.family`, `guide` and `split` come from there."""
+    """Mixed into DiffusionFamily (pipelines/families/diffusion_base.py), the base of the image and the video
+    families: `self.pipe`, `self.name`, `self.family`, `guide` and `split` come from there."""
 
     denoiser_keys: tuple[str, ...] = ("unet",)  # the pipeline attributes holding denoisers
     name: str
@@ -24,7 +25,7 @@ class DenoiserSpeedups:
     speedups: Speedups
     denoiser: DenoiserCall
 
-    if TYPE_CHECKING:  # provided by ImageFamily
+    if TYPE_CHECKING:  # provided by DiffusionFamily
         @property
         def pipe(self) -> Any: ...
 

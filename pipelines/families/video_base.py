@@ -1,14 +1,14 @@
-"""What the video families share: loading, request checks, prompt caching, the temporal VAE decode.
+"""What the video families share: loading by the checkpoint's own pipeline class, video requests, the temporal
+VAE decode.
 
-A video family is an ImageFamily on the same three stages (text_encode -> denoise -> vae_decode):
-the latents gain a frame axis ([B, C, T, H, W]) and the denoise batch key holds the frames and size.
+A video family is a sibling of the image families over the diffusion base (pipelines/families/diffusion_base.py),
+on the same three stages (text_encode -> denoise -> vae_decode): the latents gain a frame axis ([B, C, T, H, W])
+and the denoise batch key holds the frames and size.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-import threading
 from pathlib import Path
 from typing import Any, Hashable
 
@@ -16,14 +16,15 @@ import numpy as np
 import torch
 
 from encoders.cache import EncoderCache
-from pipelines.families.base import DTYPES, ImageFamily
-from pipelines.image_request import RequestError
+from pipelines.families.diffusion_base import DiffusionFamily
 from pipelines.video import VideoConfig, VideoRequest, VideoTask
-from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
 
 
-class VideoFamily(ImageFamily):
+class VideoFamily(DiffusionFamily[VideoTask, VideoRequest]):
+    """A video family: text-to-video and image-to-video on VideoRequests, with the limits and defaults of its
+    VideoConfig. Satisfies stages.diffusion.stages.DiffusionAdapter."""
+
     # model_index.json `_class_name` -> {task: diffusers pipeline class} served from that checkpoint
     pipelines_by_class: dict[str, dict[VideoTask, type[Any]]] = {}
     default_size: tuple[int, int] = (832, 480)  # (width, height) of the pipelines' __call__
@@ -33,42 +34,31 @@ class VideoFamily(ImageFamily):
 
     def __init__(self, name: str, path: str, *, device: str = "cpu", dtype: str = "float32",
                  prompt_cache: EncoderCache | None = None, video: VideoConfig | None = None):
-        self.name, self.path = name, path
-        self.device, self.dtype = torch.device(device), DTYPES[dtype]
         self.video = video or VideoConfig()
-        self.prompt_cache = prompt_cache if prompt_cache is not None else EncoderCache(f"{name}/prompt", 0)
-        class_name = json.loads((Path(path) / "model_index.json").read_text())["_class_name"]
-        if class_name not in self.pipelines_by_class:
-            raise ValueError(f"{path}: {class_name} is not a {self.family} pipeline; "
-                             f"expected one of {sorted(self.pipelines_by_class)}")
-        (first_task, first_cls), *rest = self.pipelines_by_class[class_name].items()
-        base = first_cls.from_pretrained(path, dtype=self.dtype)
-        base.set_progress_bar_config(disable=True)
-        base.to(self.device)
-        # The variants share the same module objects (no extra weights) and the base's own settings.
-        self.pipes = {first_task: base}
-        for task, cls in [*rest, *self.extra_variants(base).items()]:
-            params = inspect.signature(cls.__init__).parameters
-            config = {k: v for k, v in base.config.items()
-                      if k in params and k not in base.components and not k.startswith("_")}
-            self.pipes[task] = cls(**base.components, **config)
-            self.pipes[task].set_progress_bar_config(disable=True)
+        super().__init__(name, path, device=device, dtype=dtype, prompt_cache=prompt_cache)
         if self.video.vae_tiling:
-            base.vae.enable_tiling()
+            self.pipe.vae.enable_tiling()
         if self.video.vae_slicing:
-            base.vae.enable_slicing()
-        self.weights_id = f"{self.family}:{path}"
-        self._vae_lock = threading.Lock()
-        self.speedups = Speedups()
-        self.denoiser = DenoiserCall(name)
+            self.pipe.vae.enable_slicing()
+
+    def _class_pipelines(self) -> dict[VideoTask, type[Any]]:
+        """The tasks and pipelines of the checkpoint's own class, the one it loads as first."""
+        class_name = json.loads((Path(self.path) / "model_index.json").read_text())["_class_name"]
+        if class_name not in self.pipelines_by_class:
+            raise ValueError(f"{self.path}: {class_name} is not a {self.family} pipeline; "
+                             f"expected one of {sorted(self.pipelines_by_class)}")
+        return self.pipelines_by_class[class_name]
+
+    def base_pipeline(self) -> tuple[VideoTask, type[Any]]:
+        return next(iter(self._class_pipelines().items()))
+
+    def variants(self, base) -> dict[VideoTask, type[Any]]:
+        _, *rest = self._class_pipelines().items()
+        return {**dict(rest), **self.extra_variants(base)}
 
     def extra_variants(self, base) -> dict[VideoTask, type[Any]]:
         """Pipelines a checkpoint serves beyond its class's (decided by its config)."""
         return {}
-
-    @property
-    def pipe(self):
-        return next(iter(self.pipes.values()))
 
     @property
     def frame_factor(self) -> int:
@@ -90,9 +80,9 @@ class VideoFamily(ImageFamily):
     def request_default_frames(self) -> int:
         return self.video.default_frames or self.default_frames
 
-    def validate(self, request, limits=None) -> VideoRequest:
-        if not isinstance(request, VideoRequest):
-            raise RequestError("model", f"model {self.name} makes videos ({list(self.tasks)}); use /v1/videos")
+    def validate(self, request: VideoRequest) -> VideoRequest:
+        """The request checked against the model and this model's video limits, completed (defaults filled, a
+        seed drawn), or the field-naming RequestError."""
         request = request.validate(tasks=self.tasks, model=self.name, size_factor=self.size_factor,
                                    frame_factor=self.frame_factor, default_size=self.request_default_size,
                                    default_frames=self.request_default_frames, default_fps=self.default_fps,
@@ -101,28 +91,11 @@ class VideoFamily(ImageFamily):
         self.check_step_cache(request.step_cache)
         return request
 
-    def begin(self, item: WorkItem):
-        req: VideoRequest = item.inputs["request"]
-        scheduler = self.new_scheduler()
-        assert req.seed is not None  # validate() drew one
-        return req, item.inputs["cond"], scheduler, self.view(req.task, scheduler), self.generator(req.seed)
-
     # -- text_encode ------------------------------------------------------------------------
     def text_key(self, text: str) -> Hashable:
         ids = self.pipe.tokenizer(text, padding="max_length", max_length=self.max_sequence_length, truncation=True,
                                   add_special_tokens=True).input_ids
         return tuple(ids)
-
-    @torch.inference_mode()
-    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        out = []
-        for item in items:
-            req: VideoRequest = item.inputs["request"]
-            prompt = self.cached_text(req.prompt, req.tenant)
-            assert req.guidance_scale is not None  # validate() filled it
-            negative = self.cached_text(req.negative_prompt or "", req.tenant) if req.guidance_scale > 1.0 else None
-            out.append({"cond": self.conditioning(prompt, negative, req)})
-        return out
 
     # -- vae_decode -------------------------------------------------------------------------
     def decode_key(self, item: WorkItem) -> Hashable:
@@ -146,5 +119,5 @@ class VideoFamily(ImageFamily):
                         "seed": req.seed})
         return out
 
-    def preview(self, item: WorkItem):
+    def preview(self, item: WorkItem) -> Any:
         raise NotImplementedError("video requests stream no previews")

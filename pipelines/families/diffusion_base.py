@@ -1,0 +1,199 @@
+"""What the image and the video families share: loading, per-request pipeline views, prompt caching, speed-ups.
+
+`DiffusionFamily` is the common base of `ImageFamily` (pipelines/families/base.py: ImageRequests, PIL images)
+and `VideoFamily` (pipelines/families/video_base.py: VideoRequests, frames); the two are siblings, each with
+its own request checks (`validate`) and decode. Both run the same three stages (text_encode -> denoise ->
+vae_decode) through the hooks declared here: a family satisfies stages.diffusion.stages.DiffusionAdapter.
+
+The diffusers pipeline object is used for its components and its helper methods (prompt encoding, latent
+preparation) on a per-request *view* that carries the request's own scheduler; the denoise loop itself is ours
+(stages/diffusion/stages.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+from typing import Any, Generic, Hashable, TypeVar
+
+import torch
+
+from encoders.cache import EncoderCache
+from pipelines.families.speedups import DenoiserSpeedups
+from pipelines.image_request import ImageRequest, Task
+from pipelines.video import VideoRequest, VideoTask
+from stages.diffusion.denoiser import DenoiserCall, Speedups
+from stages.stage import WorkItem
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+TaskT = TypeVar("TaskT", bound=Task | VideoTask)  # the tasks a family's pipelines serve
+RequestT = TypeVar("RequestT", bound=ImageRequest | VideoRequest)  # the checked request its stages read
+
+
+class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
+    """A diffusers checkpoint served on the diffusion stages: its pipeline per task (one set of modules), device
+    and dtype, the prompt cache, per-request schedulers, views and generators, and the denoiser's speed-ups."""
+
+    family: str = ""  # short name used in config and detection ("sd", "sdxl", "wan", ...)
+    class_names: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads
+    default_steps: int = 50
+    default_guidance: float = 7.5
+    load_kwargs: dict[str, Any] = {}  # extra from_pretrained arguments
+
+    def __init__(self, name: str, path: str, *, device: str = "cpu", dtype: str = "float32",
+                 prompt_cache: EncoderCache | None = None):
+        self.name = name
+        self.path = path
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.prompt_cache = prompt_cache if prompt_cache is not None else EncoderCache(f"{name}/prompt", 0)
+        first_task, base_cls = self.base_pipeline()
+        base = base_cls.from_pretrained(path, dtype=self.dtype, **self.load_kwargs)
+        base.set_progress_bar_config(disable=True)
+        base.to(self.device)
+        # The variants share the same module objects (no extra weights in memory) and the base's own settings.
+        self.pipes: dict[Task | VideoTask, Any] = {first_task: base}
+        for task, cls in self.variants(base).items():
+            params = inspect.signature(cls.__init__).parameters
+            config = {k: v for k, v in base.config.items()
+                      if k in params and k not in base.components and not k.startswith("_")}
+            self.pipes[task] = cls(**base.components, **config)
+            self.pipes[task].set_progress_bar_config(disable=True)
+        self.weights_id = f"{self.family}:{path}"  # enters cache identities; a reload gets a new object anyway
+        self._vae_lock = threading.Lock()  # the VAE is shared by prepare (encode), previews and decode
+        self.speedups = Speedups()
+        self.denoiser = DenoiserCall(name)  # every speed-up off until `accelerate`
+
+    # -- loading ------------------------------------------------------------------------------
+    # (type[Any]: mypy sees diffusers' lazy exports as dummies)
+    def base_pipeline(self) -> tuple[TaskT, type[Any]]:
+        """The task and diffusers pipeline class the checkpoint is loaded as (the first of `pipes`)."""
+        raise NotImplementedError
+
+    def variants(self, base) -> dict[TaskT, type[Any]]:
+        """The other tasks' pipeline classes, built on the loaded base's modules."""
+        raise NotImplementedError
+
+    # -- facts the API layer needs --------------------------------------------------------
+    @property
+    def pipe(self):
+        """The pipeline the checkpoint was loaded as; the variants share its modules."""
+        return next(iter(self.pipes.values()))
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(t.value for t in self.pipes)
+
+    @property
+    def size_factor(self) -> int:
+        """Width and height must be multiples of this."""
+        raise NotImplementedError
+
+    # -- per-request objects ----------------------------------------------------------------
+    def new_scheduler(self):
+        """A scheduler private to one request: its position never lives on a shared object."""
+        base = self.pipe.scheduler
+        return type(base).from_config(base.config)
+
+    def view(self, task: Task | VideoTask, scheduler):
+        """A shallow copy of the task's pipeline whose scheduler belongs to one request."""
+        view = copy.copy(self.pipes[task])
+        object.__setattr__(view, "scheduler", scheduler)  # bypass register_to_config: the view is private
+        return view
+
+    def begin(self, item: WorkItem) -> tuple[RequestT, dict, Any, Any, torch.Generator]:
+        """A request's parameters and conditioning, and its private scheduler, pipeline view and generator."""
+        req: RequestT = item.inputs["request"]
+        scheduler = self.new_scheduler()
+        assert req.seed is not None  # validate() drew one
+        return req, item.inputs["cond"], scheduler, self.view(req.task, scheduler), self.generator(req.seed)
+
+    def generator(self, seed: int) -> torch.Generator:
+        # Seeds mean what diffusers means with torch.Generator("cpu").manual_seed(seed).
+        return torch.Generator("cpu").manual_seed(seed)
+
+    # -- text_encode ------------------------------------------------------------------------
+    def text_key(self, text: str) -> Hashable:
+        """The token ids of every tokenizer the family uses (the prompt cache identity)."""
+        raise NotImplementedError
+
+    def encode_text(self, text: str) -> dict[str, torch.Tensor]:
+        """Embeddings of one prompt, batch size 1, no guidance."""
+        raise NotImplementedError
+
+    def conditioning(self, prompt: dict, negative: dict | None, request: RequestT) -> dict[str, Any]:
+        """Per-request conditioning for the denoiser (guidance halves, repeated n times)."""
+        raise NotImplementedError
+
+    def uses_negative(self, request: RequestT) -> bool:
+        assert request.guidance_scale is not None  # validate() filled it
+        return request.guidance_scale > 1.0
+
+    def text_options(self, request: RequestT) -> dict[str, Any]:
+        """Encoder settings of a request that change the embeddings (they enter the cache identity)."""
+        return {}
+
+    def negative(self, request: RequestT, prompt: dict, options: dict) -> dict | None:
+        """The unconditional half: the encoded negative prompt ("" when none), or None without guidance."""
+        if not self.uses_negative(request):
+            return None
+        return self.cached_text(request.negative_prompt or "", request.tenant, options)
+
+    def cached_text(self, text: str, tenant: str, options: dict | None = None) -> dict[str, torch.Tensor]:
+        options = options or {}
+        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, **options), tuple(sorted(options.items())))
+        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text, **options))
+
+    @torch.inference_mode()
+    def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        out = []
+        for item in items:
+            req: RequestT = item.inputs["request"]
+            options = self.text_options(req)
+            prompt = self.cached_text(req.prompt, req.tenant, options)
+            out.append({"cond": self.conditioning(prompt, self.negative(req, prompt, options), req)})
+        return out
+
+    # -- denoise: each family's loop body (the DiffusionAdapter contract) ---------------------
+    def prepare(self, item: WorkItem) -> None:
+        """denoise start: the request's scheduler, timesteps and initial latents into item.state."""
+        raise NotImplementedError
+
+    def denoise_key(self, item: WorkItem) -> Hashable:
+        """Items with equal keys share one denoiser forward."""
+        raise NotImplementedError
+
+    def forward(self, items: list[WorkItem]) -> list[Any]:
+        """One batched denoiser call over items that may sit at different timesteps."""
+        raise NotImplementedError
+
+    def commit(self, item: WorkItem, model_output: Any) -> None:
+        """Guidance and the scheduler step for one item; advances item.state['i']."""
+        raise NotImplementedError
+
+    def preview(self, item: WorkItem) -> Any:
+        """A decoded picture of the current latents (costs a VAE decode)."""
+        raise NotImplementedError
+
+    # -- denoise helpers shared by the families -----------------------------------------------
+    @staticmethod
+    def guide(model_output: torch.Tensor, cfg: bool, scale: float) -> torch.Tensor:
+        if not cfg:
+            return model_output
+        uncond, cond = model_output.chunk(2)
+        return uncond + scale * (cond - uncond)
+
+    @staticmethod
+    def split(batched: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return list(torch.split(batched, sizes))
+
+    # -- vae_decode -------------------------------------------------------------------------
+    def decode_key(self, item: WorkItem) -> Hashable:
+        """Items with equal keys share one VAE decode."""
+        raise NotImplementedError
+
+    def decode(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        """vae_decode: latents -> each item's outputs (one batched VAE call)."""
+        raise NotImplementedError
