@@ -198,7 +198,7 @@ class Engine:
         await settled(handle, "media_decode")  # its decode and prompt errors are the caller's, as a text one's
         return handle
 
-    def family(self, model: str) -> ImageFamily:
+    def family(self, model: str) -> ImageFamily | VideoFamily:
         served = self._served.get(model)
         if not isinstance(served, ServedDiffusion):
             families = sorted(self._of_kind(ServedDiffusion))

@@ -85,7 +85,7 @@ class LoadContext:
 class ServedModel(Protocol):
     name: str
     info: ModelInfo
-    model: Any  # what was loaded: an ImageFamily, ChatModel, EmbeddingModel, SpeechModel, ...
+    model: Any  # what was loaded: an ImageFamily or VideoFamily, ChatModel, EmbeddingModel, SpeechModel, ...
     does: ClassVar[str]  # what it does, for errors: "chat", "make speech", ...
     kinds: ClassVar[str]  # its kind in the plural, for errors: "chat models", ...
 
@@ -120,8 +120,8 @@ class ServedDiffusion:
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         cls = family_class(family_name)
         options = {"video": spec.video} if issubclass(cls, VideoFamily) else {}
-        family: ImageFamily = cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype,
-                                  prompt_cache=ctx.prompt_cache, **options)
+        family: ImageFamily | VideoFamily = cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype,
+                                                prompt_cache=ctx.prompt_cache, **options)
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
         self.media, self.media_pool, self.decode_limits = ctx.media, ctx.media_pool, ctx.media_config.image
@@ -194,6 +194,7 @@ class ServedDiffusion:
                 raise RequestError("image", f"image is {image.size[0]}x{image.size[1]}; this model needs at least "
                                             f"{factor}x{factor}", code="image_too_small")
         edit = dataclasses.replace(request, image=image, mask=mask, width=width, height=height, source=None)
+        assert isinstance(self.model, ImageFamily)  # media_decode runs on image graphs only (stages)
         return {"request": self.model.validate(edit, self.limits)}
 
     def check(self, request: ImageRequest | VideoRequest) -> ImageRequest | VideoRequest:
@@ -203,6 +204,8 @@ class ServedDiffusion:
                 raise RequestError("model", f"model {self.name!r} does not make videos", code="model_not_found",
                                    status=404)
             return self.model.validate(request)
+        if isinstance(self.model, VideoFamily):
+            raise RequestError("model", f"model {self.name} makes videos ({list(self.model.tasks)}); use /v1/videos")
         return self.model.validate(request, self.limits)
 
     def warm(self, engine: Engine) -> None:
