@@ -15,6 +15,7 @@ its last `max_prompt_tokens` tokens as openai-whisper does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -62,6 +63,16 @@ class TranscriptionRequest:
     temperature: float = 0.0  # 0: greedy; (0, 1]: sampling
     timestamps: bool = False  # segment times from the model's timestamp tokens (srt, vtt, verbose_json)
     stream: bool = False  # text deltas as the windows decode
+
+
+class TranscriptionFields(Protocol):
+    """What `TranscriptionModel.check` reads of a request: a TranscriptionRequest, or the route's parsed fields
+    before the audio is decoded."""
+
+    task: str
+    language: str | None
+    prompt: str | None
+    temperature: float
 
 
 def cut_windows(samples: np.ndarray, *, window_s: float = 30.0, search_s: float = 5.0,
@@ -122,8 +133,9 @@ class TranscriptionModel:
                                            f"{', ...' if len(known) > 20 else ''})", code="unsupported_language")
         return code
 
-    def check(self, request: TranscriptionRequest) -> tuple[str | None, tuple[int, ...]]:
-        """The cheap checks (before any model work): (language code or None, prompt token ids)."""
+    def check(self, request: TranscriptionFields) -> tuple[str | None, tuple[int, ...]]:
+        """The cheap checks, on the request's fields alone (before its audio is decoded or any model work):
+        (language code or None, prompt token ids)."""
         if request.task not in (TRANSCRIBE, TRANSLATE):
             raise ValueError(f"task must be {TRANSCRIBE!r} or {TRANSLATE!r}, got {request.task!r}")
         if request.task == TRANSLATE and self.english_only:

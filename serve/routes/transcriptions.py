@@ -118,7 +118,7 @@ async def _run(request: Request, task: str):
     form = await read_audio_form(request, task, max_file_bytes=request.app.state.max_upload_bytes)
     params = TranscriptionParams.parse(form, task)
     model = resolve_asr_model(engine, params.model, SPEECH_TO_TEXT_TASK if task == TRANSCRIBE else TRANSLATIONS_TASK)
-    engine.transcription_model(model).check(params.request(np.zeros(0, np.float32)))
+    engine.transcription_model(model).check(params)  # its fields, before the audio is decoded
     # 2. decode (media workers, 16 kHz mono, duration limits), then cut, featurize and run
     decoded = await engine.run_media("decode_audio", form.data, engine.config.media.audio, param="file",
                                      sample_rate=SAMPLE_RATE)
