@@ -65,55 +65,20 @@ class ImageRequest:
     # The server's edits start from uploaded bytes (the media_decode node fills image and mask); None: given.
     source: DecodeImages | None = None
 
+    def check_fields(self, *, size_factor: int, default_size: int, limits: ImageLimits) -> None:
+        """The checks of the request's own fields, before its input image is decoded or the family's defaults are
+        known. What depends on those (an edit's size when it names none, default steps and guidance, the image
+        and mask themselves) `validate` checks later. Raises RequestError."""
+        self._check(size_factor=size_factor, default_size=default_size, default_steps=None, default_guidance=None,
+                    limits=limits, images=False)
+
     def validate(self, *, size_factor: int, default_size: int, default_steps: int, default_guidance: float,
                  limits: ImageLimits) -> "ImageRequest":
         """Check every field against the limits and fill defaults. Raises RequestError."""
-        if not isinstance(self.prompt, str) or not self.prompt.strip():
-            raise RequestError("prompt", "prompt must be a non-empty string")
-        if len(self.prompt) > limits.max_prompt_chars:
-            raise RequestError("prompt", f"prompt is {len(self.prompt)} characters; "
-                                         f"the limit is {limits.max_prompt_chars}", code="prompt_too_long")
-        if self.task is not Task.TEXT_TO_IMAGE and self.image is not None and not (self.width or self.height):
-            # Edits default to the input image's size, rounded down to the model's factor.
-            width = max(size_factor, self.image.size[0] // size_factor * size_factor)
-            height = max(size_factor, self.image.size[1] // size_factor * size_factor)
-        else:
-            width = self.width or default_size
-            height = self.height or default_size
-        for name, v in (("size", width), ("size", height)):
-            if v < size_factor or v % size_factor:
-                raise RequestError(name, f"width and height must be positive multiples of {size_factor} "
-                                         f"for this model; got {width}x{height}",
-                                   code="unsupported_size")
-        if width * height > limits.max_pixels:
-            raise RequestError("size", f"{width}x{height} is {width * height} pixels; the limit is {limits.max_pixels}",
-                               code="unsupported_size")
-        if not 1 <= self.n <= limits.max_n:
-            raise RequestError("n", f"n must be between 1 and {limits.max_n}; got {self.n}")
-        steps = self.num_inference_steps if self.num_inference_steps is not None else default_steps
-        if not 1 <= steps <= limits.max_steps:
-            raise RequestError("num_inference_steps", f"num_inference_steps must be between 1 and {limits.max_steps}; "
-                                                      f"got {steps}")
-        guidance = self.guidance_scale if self.guidance_scale is not None else default_guidance
-        if not 0.0 <= guidance <= limits.max_guidance:
-            raise RequestError("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance}; "
-                                                 f"got {guidance}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise RequestError("seed", f"seed must be between 0 and 2**63-1; got {self.seed}")
-        if not 0 <= self.previews <= steps:
-            raise RequestError("partial_images", f"partial_images must be between 0 and the step count {steps}")
-        if self.task is not Task.TEXT_TO_IMAGE:
-            if self.image is None:
-                raise RequestError("image", f"{self.task.value} needs an input image")
-            if not 0.0 < self.strength <= 1.0:
-                raise RequestError("strength", f"strength must be in (0, 1]; got {self.strength}")
-        if self.task is Task.INPAINTING:
-            if self.mask is None:
-                raise RequestError("mask", "inpainting needs a mask image")
-            if self.mask.size != self.image.size:
-                raise RequestError("mask", f"mask is {self.mask.size[0]}x{self.mask.size[1]} but the image is "
-                                           f"{self.image.size[0]}x{self.image.size[1]}; they must match")
-        step_cache = StepCacheParams.parse(self.step_cache)
+        width, height, steps, guidance, step_cache = self._check(
+            size_factor=size_factor, default_size=default_size, default_steps=default_steps,
+            default_guidance=default_guidance, limits=limits, images=True)
+        assert width is not None and height is not None and steps is not None and guidance is not None
         seed = self.seed
         if seed is None:
             import secrets
@@ -123,3 +88,61 @@ class ImageRequest:
             n=self.n, num_inference_steps=steps, guidance_scale=guidance, seed=seed, strength=self.strength,
             image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews, extra=dict(self.extra),
             step_cache=step_cache, output=self.output)
+
+    def _check(self, *, size_factor: int, default_size: int, default_steps: int | None,
+               default_guidance: float | None, limits: ImageLimits,
+               images: bool) -> tuple[int | None, int | None, int | None, float | None, StepCacheParams | None]:
+        """(width, height, steps, guidance, step cache) as they will run, None where not known yet (`images` False:
+        before the input image is decoded and without the family's defaults)."""
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise RequestError("prompt", "prompt must be a non-empty string")
+        if len(self.prompt) > limits.max_prompt_chars:
+            raise RequestError("prompt", f"prompt is {len(self.prompt)} characters; "
+                                         f"the limit is {limits.max_prompt_chars}", code="prompt_too_long")
+        width: int | None
+        height: int | None
+        edit_sized = self.task is not Task.TEXT_TO_IMAGE and not (self.width or self.height)
+        if edit_sized and images and self.image is not None:
+            # Edits default to the input image's size, rounded down to the model's factor.
+            width = max(size_factor, self.image.size[0] // size_factor * size_factor)
+            height = max(size_factor, self.image.size[1] // size_factor * size_factor)
+        elif edit_sized and not images:
+            width = height = None  # the input image's: known once it is decoded
+        else:
+            width = self.width or default_size
+            height = self.height or default_size
+        if width is not None and height is not None:
+            for name, v in (("size", width), ("size", height)):
+                if v < size_factor or v % size_factor:
+                    raise RequestError(name, f"width and height must be positive multiples of {size_factor} "
+                                             f"for this model; got {width}x{height}",
+                                       code="unsupported_size")
+            if width * height > limits.max_pixels:
+                raise RequestError("size", f"{width}x{height} is {width * height} pixels; the limit is "
+                                           f"{limits.max_pixels}", code="unsupported_size")
+        if not 1 <= self.n <= limits.max_n:
+            raise RequestError("n", f"n must be between 1 and {limits.max_n}; got {self.n}")
+        steps = self.num_inference_steps if self.num_inference_steps is not None else default_steps
+        if steps is not None and not 1 <= steps <= limits.max_steps:
+            raise RequestError("num_inference_steps", f"num_inference_steps must be between 1 and {limits.max_steps}; "
+                                                      f"got {steps}")
+        guidance = self.guidance_scale if self.guidance_scale is not None else default_guidance
+        if guidance is not None and not 0.0 <= guidance <= limits.max_guidance:
+            raise RequestError("guidance_scale", f"guidance_scale must be between 0 and {limits.max_guidance}; "
+                                                 f"got {guidance}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError("seed", f"seed must be between 0 and 2**63-1; got {self.seed}")
+        if not 0 <= self.previews <= (steps if steps is not None else limits.max_steps):
+            raise RequestError("partial_images", f"partial_images must be between 0 and the step count {steps}")
+        if self.task is not Task.TEXT_TO_IMAGE:
+            if images and self.image is None:
+                raise RequestError("image", f"{self.task.value} needs an input image")
+            if not 0.0 < self.strength <= 1.0:
+                raise RequestError("strength", f"strength must be in (0, 1]; got {self.strength}")
+        if self.task is Task.INPAINTING and images:
+            if self.mask is None:
+                raise RequestError("mask", "inpainting needs a mask image")
+            if self.mask.size != self.image.size:
+                raise RequestError("mask", f"mask is {self.mask.size[0]}x{self.mask.size[1]} but the image is "
+                                           f"{self.image.size[0]}x{self.image.size[1]}; they must match")
+        return width, height, steps, guidance, StepCacheParams.parse(self.step_cache)

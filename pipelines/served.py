@@ -172,15 +172,13 @@ class ServedDiffusion:
         return StageGraph(tuple(nodes), nodes[-1].name)
 
     def check_fields(self, request: ImageRequest) -> None:
-        """An edit's own fields against the model and limits, before its upload is decoded (the image-dependent
-        checks run in `finalize`). Unset steps and guidance stay valid here (the family default comes later)."""
+        """An edit's own fields against the model and limits, before its upload is decoded (what depends on the
+        image, and the family's default steps and guidance, is checked in `finalize`)."""
         if request.task.value not in self.info.tasks:
             raise RequestError("model", f"model {self.name} does not support {request.task.value}; it supports "
                                         f"{list(self.info.tasks)}")
-        limits = self.limits
-        dataclasses.replace(request, task=Task.TEXT_TO_IMAGE, image=None, mask=None, source=None).validate(
-            size_factor=self.info.size_factor, default_size=self.info.default_size, default_steps=limits.max_steps,
-            default_guidance=0.0, limits=limits)
+        request.check_fields(size_factor=self.info.size_factor, default_size=self.info.default_size,
+                             limits=self.limits)
 
     def finalize(self, request: ImageRequest, decoded) -> dict[str, Any]:
         """The edit with its decoded image and mask, checked (media_decode calls it): with size auto it keeps the

@@ -140,9 +140,11 @@ class VideoRequest:
         seconds = self.seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
             raise RequestError("seconds", f"seconds must be a positive number; got {seconds!r}")
-        frames = max(1, round(seconds * fps / frame_factor)) * frame_factor + 1
-        if frames > limits.max_frames:
+        blocks = seconds * fps / frame_factor  # inf for a huge (finite) seconds: past the limit, not a crash
+        frames = max(1, round(blocks)) * frame_factor + 1 if blocks < limits.max_frames else None
+        if frames is None or frames > limits.max_frames:
             longest = (limits.max_frames - 1) // frame_factor * frame_factor / fps  # the longest the limit allows
-            raise RequestError("seconds", f"seconds {seconds:g} is {frames} frames at {fps:g} fps; the limit is "
+            shown = f"{frames} frames" if frames is not None else f"more than {limits.max_frames} frames"
+            raise RequestError("seconds", f"seconds {seconds:g} is {shown} at {fps:g} fps; the limit is "
                                           f"{longest:g} seconds ({limits.max_frames} frames) for this model")
         return frames

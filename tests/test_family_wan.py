@@ -203,3 +203,11 @@ def test_wan21_image_to_video_with_clip_image_embeddings_equals_diffusers(tmp_pa
     with running_engine(path) as eng:
         ours = _run(eng, image=image, prompt="a cat", seed=3, **common)
     np.testing.assert_allclose(ours["pixels"], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("seconds", [9.059044868668332e307, 1e300, 1e6])
+def test_seconds_past_any_limit_name_seconds(engine, seconds):
+    """A huge but finite duration overflowed the frame count (a 500 found by the schema fuzzer): it is a 400."""
+    with pytest.raises(RequestError) as err:
+        engine.submit_video("m", VideoRequest(prompt="x", width=SIZE, height=SIZE, seconds=seconds))
+    assert err.value.param == "seconds" and err.value.status == 400 and "the limit is" in err.value.message

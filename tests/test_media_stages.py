@@ -147,3 +147,16 @@ def test_a_chat_with_an_image_is_one_graph_where_llm_reads_its_prompt_and_its_fe
         with pytest.raises(StageError) as err:
             eng.submit_chat("vlm", ChatRequest(messages=bad, params=params))
         assert err.value.param == "messages[0].content[0].image_url.url" and err.value.status == 400
+
+
+def test_an_edits_own_fields_are_checked_with_its_real_task_before_decoding(engine):
+    before = _samples(engine, "mmserve_stage_run_seconds_count", "media_decode")
+    for fields, param in (({"strength": 1.5}, "strength"), ({"num_inference_steps": 0}, "num_inference_steps"),
+                          ({"width": 60, "height": 64}, "size"), ({"guidance_scale": -1.0}, "guidance_scale")):
+        request = ImageRequest("repaint", task=Task.IMAGE_TO_IMAGE, source=DecodeImages(b"x"), **fields)
+        with pytest.raises(RequestError) as err:
+            engine.check_image("sd", request)
+        assert err.value.param == param, fields
+    # Unset size, steps and guidance are the image's and the family's: checked after the decode, not refused now.
+    engine.check_image("sd", ImageRequest("repaint", task=Task.INPAINTING, source=DecodeImages(b"x", b"y")))
+    assert _samples(engine, "mmserve_stage_run_seconds_count", "media_decode") == before
