@@ -41,6 +41,7 @@ from pipelines.tts import SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
 from pipelines.vlm import VLMChatModel
 from stages.executor import GraphExecutor
+from stages.media.stage import MEDIA_STATUS
 from stages.metrics import Metrics
 from stages.request_state import RequestHandle, settled
 from stages.thread_budget import ThreadBudget
@@ -54,7 +55,6 @@ __all__ = ["Engine", "ModelInfo", "REALTIME_VIDEO_TASK", "REALTIME_VOICE_TASK", 
 log = logging.getLogger(__name__)
 
 REALTIME_VOICE_TASK = "realtime-voice"  # ModelInfo.tasks of a voice model (WS /v1/realtime)
-MEDIA_STATUS = {"media_bytes": 413, "media_pixels": 413, "media_frames": 413, "media_duration": 413}
 
 
 class Engine:
