@@ -137,7 +137,9 @@ class JobRunner:
             job = self.store.get_job(job_id)
             if job.status != "queued":
                 return
-            self.store.update_job(job_id, status="in_progress", started_at=int(time.time()), progress=0)
+            # Not fsynced (durable=False): recovery restarts an in_progress or finalizing video from the beginning.
+            self.store.update_job(job_id, status="in_progress", started_at=int(time.time()), progress=0,
+                                  durable=False)
             r = dict(job.request)
             try:
                 image = None
@@ -155,14 +157,14 @@ class JobRunner:
                         now = min(99, int(100 * event.data["step"] / max(1, event.data["total"])))
                         if now > progress:  # monotonic
                             progress = now
-                            self.store.update_job(job_id, progress=progress)
+                            self.store.update_job(job_id, progress=progress, durable=False)
                     elif event.kind is EventKind.FINAL:
                         outputs = event.data["outputs"]
                     elif event.kind is EventKind.ERROR:
                         raise StageError.from_event(event)
                 if outputs is None:
                     raise StageError("cancelled", "the job was cancelled", status=499)
-                self.store.update_job(job_id, status="finalizing")
+                self.store.update_job(job_id, status="finalizing", durable=False)
                 media = self.engine.media()
                 mp4 = await asyncio.to_thread(media.run, "encode_video", outputs["frames"], outputs["fps"], "mp4")
                 thumb = await asyncio.to_thread(self.engine.encode_images, [_first_frame(outputs["frames"])], "jpeg")

@@ -79,6 +79,26 @@ def test_expiry_drops_results(tmp_path):
     assert not (store.results_dir / f"{job.id}.mp4").exists()
 
 
+def test_writes_recovery_discards_commit_without_fsync_and_the_rest_stay_full(tmp_path):
+    store = JobStore(tmp_path)
+    job, _ = store.create_job("video", "t", {}, prefix="video")
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    store.update_job(job.id, status="in_progress", progress=40, durable=False)
+    assert statements[0] == "PRAGMA synchronous=NORMAL" and statements[-1] == "PRAGMA synchronous=FULL"
+    statements.clear()
+    store.finish_job(job.id, "completed", result={})  # terminal: fsynced as before
+    assert not any(s.startswith("PRAGMA") for s in statements)
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    with pytest.raises(sqlite3.OperationalError):
+        store._exec("UPDATE no_such_table SET x=1", durable=False)
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again after a failed statement
+    store.update_job(job.id, progress=70, durable=False)
+    store.close()
+    reopened = JobStore(tmp_path).get_job(job.id)  # committed: a process restart keeps it
+    assert (reopened.status, reopened.progress) == ("completed", 70)
+
+
 def test_a_reused_idempotency_key_needs_the_same_body(tmp_path):
     store = JobStore(tmp_path)
     first = request_digest({"prompt": "a cat", "seconds": 2})
