@@ -13,6 +13,7 @@ from stages.metrics import Metrics
 from stages.pool import PoolConfig, StagePool
 from stages.request_state import RequestHandle, RequestState
 from stages.stage import Stage, WorkItem
+from stages.streaming import StreamedNode
 from stages.thread_budget import ThreadBudget
 
 
@@ -25,6 +26,7 @@ class _Run:
         self.inputs = inputs
         self.started: set[str] = set()
         self.done: set[str] = set()
+        self.streams = {n.name: StreamedNode(state, n) for n in graph.nodes if n.stream is not None}
 
 
 class GraphExecutor:
@@ -62,23 +64,28 @@ class GraphExecutor:
 
     # -- requests -----------------------------------------------------------------------
     def submit(self, graph: StageGraph, inputs: dict[str, Any], *, request_id: str | None = None,
-               deadline_s: float | None = None, model: str = "", max_inflight: int | None = None) -> RequestHandle:
+               deadline_s: float | None = None, model: str = "", max_inflight: int | None = None,
+               fence=None) -> RequestHandle:
         """Admit a request and start its first nodes.
 
         Raises CapacityError when the entry pool's queue is full or `model` already has
         `max_inflight` requests admitted (the long denoise loop is bounded here, at the door).
+        `fence` (a callable, e.g. "this voice response's epoch is still the session's") is checked by every
+        node's workers at their boundaries: once it is False, the whole request stops and emits nothing more.
         """
-        first = graph.ready(set(), set())
-        for node in first:
-            pool = self.pools.get(node.pool)
-            if pool is None:
-                raise ValueError(f"graph node {node.name!r} names unknown pool {node.pool!r}")
+        unknown = [n.pool for n in graph.nodes if n.pool not in self.pools]
+        if unknown:
+            raise ValueError(f"graph names unknown pools {unknown}")
+        for node in graph.ready(set(), set()):
+            pool = self.pools[node.pool]
             if not pool.has_room():
                 raise CapacityError(f"stage {node.pool} has {pool.config.max_queue} requests waiting; retry shortly")
         rid = request_id or f"req_{uuid.uuid4().hex[:24]}"
         deadline = time.monotonic() + deadline_s if deadline_s else None
-        state = RequestState(rid, deadline=deadline, model=model)
+        state = RequestState(rid, deadline=deadline, model=model, fence=fence)
         run = _Run(state, graph, inputs)
+        if run.streams:
+            state.observe(lambda event: self._on_event(run, event))
         with self._lock:
             if rid in self._runs:
                 raise ValueError(f"request id {rid!r} is already in flight")
@@ -123,6 +130,32 @@ class GraphExecutor:
             item = WorkItem(run.state, node.name, inputs)
             self.pools[node.pool].put(item)
 
+    def _on_event(self, run: _Run, event) -> None:
+        """A source's delta: the pieces it completes go to their streamed nodes' pools at once."""
+        if event.kind is not EventKind.DELTA or event.stage is None:
+            return
+        for node in run.graph.streamed_from(event.stage):
+            self._cut(run, node.name, lambda stream: stream.feed(event.data))
+
+    def _cut(self, run: _Run, name: str, cut) -> None:
+        """Cut pieces for a streamed node and hand each to its pool (a splitter's error fails the request)."""
+        stream = run.streams[name]
+        try:
+            pieces = cut(stream)
+        except StageError as exc:
+            self._fail(run.state, exc)
+            return
+        except Exception as exc:  # a bug in the splitter: the request fails, the worker that wrote the delta goes on
+            self._fail(run.state, StageError("internal_error", f"{type(exc).__name__}: {exc}"))
+            return
+        if run.state.should_stop():
+            return
+        pool = self.pools[stream.node.pool]
+        for i in pieces:
+            inputs = {**run.inputs, **stream.node.params, **stream.pieces[i]}
+            route = lambda kind, data, i=i: stream.emit(i, kind, data)  # noqa: E731
+            pool.put(WorkItem(run.state, name, inputs, piece=i, route=route))
+
     def _on_done(self, item: WorkItem, outputs: dict[str, Any]) -> None:
         state = item.request
         if state.should_stop():
@@ -132,19 +165,45 @@ class GraphExecutor:
             run = self._runs.get(state.request_id)
         if run is None:
             return
-        state.outputs[item.node] = outputs
+        if item.piece is not None:  # one piece of a streamed node
+            stream = run.streams[item.node]
+            stream.finish(item.piece, outputs)
+            self._stream_done(run, stream)
+            return
+        self._node_done(run, item.node, outputs)
+        for node in run.graph.streamed_from(item.node):
+            self._cut(run, node.name, lambda stream: stream.flush(outputs))
+            self._stream_done(run, run.streams[node.name])
+
+    def _stream_done(self, run: _Run, stream: StreamedNode) -> None:
+        assert stream.node.stream is not None
+        with self._lock:  # the last piece and the source's end may finish in two threads at once: one wins
+            if not stream.done or stream.node.name in run.done or run.state.should_stop():
+                return
+            run.done.add(stream.node.name)
+        self._node_done(run, stream.node.name, stream.result(run.state.outputs.get(stream.node.stream.source, {})))
+
+    def _node_done(self, run: _Run, name: str, outputs: dict[str, Any]) -> None:
+        state = run.state
+        state.outputs[name] = outputs
         with self._lock:
-            run.done.add(item.node)
-        if item.node == run.graph.output:
-            if state.emit(EventKind.FINAL, stage=item.node, outputs=outputs):
+            run.done.add(name)
+        if name == run.graph.output:
+            if state.emit(EventKind.FINAL, stage=name, outputs=outputs):
                 self.metrics.stage.graph_requests.labels(model=state.model, outcome="ok").inc()
             return
         self._dispatch(run)
+
+    def _fail(self, state: RequestState, error: StageError) -> None:
+        if state.fail(error):
+            self.metrics.stage.graph_requests.labels(model=state.model, outcome=error.code).inc()
 
     def _on_drop(self, item: WorkItem, error: StageError | None) -> None:
         state = item.request
         if error is None and state.expired() and not state.closed:
             error = StageError("deadline_exceeded", "the request passed its deadline", status=504)
+        if error is None and state.fenced() and not state.closed:
+            error = StageError("cancelled", "the request's session moved on (its epoch passed)", status=499)
         if error is not None and state.fail(error):
             self.metrics.stage.graph_requests.labels(model=state.model, outcome=error.code).inc()
 

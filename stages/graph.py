@@ -1,8 +1,38 @@
-"""A StageGraph: named nodes, each run by a pool, connected by the data they pass on."""
+"""A StageGraph: named nodes, each run by a pool, connected by the data they pass on.
+
+An edge is plain (`after`: the node starts once those nodes are done and reads their outputs) or streaming
+(`stream`: the node consumes its source's deltas while the source still runs). A streamed node runs once per
+*piece*: the edge's splitter turns the source's deltas into the inputs of pieces (an LLM's text deltas into
+phrases for the TTS), each piece is one work item of the node's pool, and the pieces' events reach the
+request's stream in piece order. The node is done when its source is done and every piece is.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Splitter(Protocol):
+    """One request's cut of a source's deltas into pieces (a fresh one per request)."""
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """A DELTA event's data -> the inputs of the pieces it completes (often none)."""
+        ...
+
+    def flush(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The source is done (its final outputs) -> the inputs of the last pieces."""
+        ...
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A streaming edge into a node: pieces cut from `source`'s deltas while it runs."""
+
+    source: str  # the node whose DELTA events feed this one
+    split: Callable[[], Splitter]  # makes the request's splitter
+    carry: tuple[str, ...] = ()  # keys of a piece's inputs copied onto its first DELTA (the phrase it speaks)
 
 
 @dataclass(frozen=True)
@@ -11,6 +41,7 @@ class Node:
     pool: str  # the StagePool that runs it
     after: tuple[str, ...] = ()  # nodes whose outputs this node reads
     params: dict = field(default_factory=dict, hash=False, compare=False)  # node-specific inputs
+    stream: Stream | None = field(default=None, hash=False, compare=False)  # a streaming edge into it
 
 
 @dataclass(frozen=True)
@@ -25,6 +56,12 @@ class StageGraph:
         known: set[str] = set()
         for node in self.nodes:  # nodes are listed in an order where deps come first
             missing = [d for d in node.after if d not in known]
+            if node.stream is not None:
+                if node.after:  # its pieces read the request's inputs and their own; nothing waits for `after`
+                    raise ValueError(f"node {node.name!r} streams from {node.stream.source!r}; it cannot also "
+                                     f"wait for {list(node.after)}")
+                if node.stream.source not in known:
+                    missing = [node.stream.source]
             if missing:
                 raise ValueError(f"node {node.name!r} depends on {missing}, which are not listed before it")
             known.add(node.name)
@@ -37,7 +74,7 @@ class StageGraph:
         built: list[Node] = []
         for spec in nodes:
             node = spec if isinstance(spec, Node) else Node(name=spec[0], pool=spec[1])
-            if built and not node.after:
+            if built and not node.after and node.stream is None:
                 node = Node(node.name, node.pool, (built[-1].name,), node.params)
             built.append(node)
         return cls(tuple(built), built[-1].name)
@@ -46,4 +83,8 @@ class StageGraph:
         return next(n for n in self.nodes if n.name == name)
 
     def ready(self, done: set[str], started: set[str]) -> list[Node]:
-        return [n for n in self.nodes if n.name not in started and all(d in done for d in n.after)]
+        """Plain nodes whose inputs are all there (streamed nodes are fed piece by piece instead)."""
+        return [n for n in self.nodes if n.stream is None and n.name not in started and all(d in done for d in n.after)]
+
+    def streamed_from(self, source: str) -> list[Node]:
+        return [n for n in self.nodes if n.stream is not None and n.stream.source == source]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, AsyncIterator, Iterator
 
 from stages.events import Event, EventKind, StageError
@@ -17,10 +18,12 @@ class RequestState:
     (`iter_events`) or an asyncio loop (`aiter_events`); both read the same buffer.
     """
 
-    def __init__(self, request_id: str, *, deadline: float | None, model: str = ""):
+    def __init__(self, request_id: str, *, deadline: float | None, model: str = "",
+                 fence: Callable[[], bool] | None = None):
         self.request_id = request_id
         self.model = model  # metric label only
         self.deadline = deadline  # time.monotonic() value, or None
+        self.fence = fence  # False once the caller's epoch has passed (a voice session's barge-in): every node stops
         self.created_at = time.monotonic()
         self.outputs: dict[str, dict[str, Any]] = {}  # node name -> outputs, freed on close
         self._events: list[Event] = []
@@ -29,6 +32,7 @@ class RequestState:
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._on_close: list = []  # callbacks run exactly once when the request closes
+        self._observers: list[Callable[[Event], None]] = []  # see every event as it is written (streaming edges)
 
     # -- state flags read by workers at batch/step boundaries --------------------------
     @property
@@ -42,13 +46,20 @@ class RequestState:
     def expired(self, now: float | None = None) -> bool:
         return self.deadline is not None and (now or time.monotonic()) > self.deadline
 
+    def fenced(self) -> bool:
+        """The caller's epoch has passed: nothing more of this request may run or reach the caller."""
+        return self.fence is not None and not self.fence()
+
     def should_stop(self) -> bool:
         """True when a worker must drop this request's work at the next boundary."""
-        return self._closed or self.cancelled or self.expired()
+        return self._closed or self.cancelled or self.expired() or self.fenced()
 
     # -- writing ----------------------------------------------------------------------
     def emit(self, kind: EventKind, *, stage: str | None = None, **data) -> bool:
-        """Append an event. Dropped (returns False) once the request is closed (a terminal event came)."""
+        """Append an event. Dropped (returns False) once the request is closed (a terminal event came), and,
+        short of the terminal one, once it is fenced."""
+        if kind not in (EventKind.FINAL, EventKind.ERROR) and self.fenced():
+            return False
         with self._cond:
             if self._closed:
                 return False
@@ -57,7 +68,9 @@ class RequestState:
             if event.terminal:
                 self._closed = True
             self._cond.notify_all()
-            waiters = list(self._waiters)
+            waiters, observers = list(self._waiters), list(self._observers)
+        for observe in observers:  # in the writer's thread, outside the lock (an observer may emit)
+            observe(event)
         for loop, flag in waiters:
             try:
                 loop.call_soon_threadsafe(flag.set)
@@ -74,6 +87,11 @@ class RequestState:
     def request_cancel(self) -> None:
         self._cancel_requested.set()
 
+    def observe(self, callback: Callable[[Event], None]) -> None:
+        """Call `callback(event)` for every event written from now on, in the writing thread."""
+        with self._cond:
+            self._observers.append(callback)
+
     def on_close(self, callback) -> None:
         with self._cond:
             if not self._closed:
@@ -84,7 +102,7 @@ class RequestState:
     def _run_close_callbacks(self) -> None:
         with self._cond:
             callbacks, self._on_close = self._on_close, []
-            self.outputs = {}
+            self.outputs, self._observers = {}, []
         for callback in callbacks:
             callback()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -21,12 +22,16 @@ class WorkItem:
     enqueued_at: float = field(default_factory=time.monotonic)
     steps_run: int = 0  # loop stages: steps this item took part in
     released: bool = False  # set once its state was freed; release is idempotent
+    piece: int | None = None  # a streamed node's piece: its position among the node's pieces
+    route: Callable[..., bool] | None = None  # where a piece's events go (they are put in piece order there)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     def emit(self, kind: EventKind, **data) -> bool:
+        if self.route is not None:
+            return self.route(kind, data)
         return self.request.emit(kind, stage=self.node, **data)
 
     def release(self) -> None:
