@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.asr import SAMPLE_RATE, TranscriptionRequest
+from pipelines.asr import SAMPLE_RATE, TRANSCRIBE, TranscriptionRequest
 from stages.events import StageError
 
 
@@ -37,16 +37,18 @@ class Hypothesis:
 class IncrementalTranscriber:
     """One session's speech recognition state. Feed 16 kHz mono float32 audio as it arrives."""
 
+    task = TRANSCRIBE  # with language, prompt and temperature: the fields TranscriptionModel.check reads
+    temperature = 0.0
+
     def __init__(self, engine, model: str, *, language: str | None = None, prompt: str | None = None,
                  partial_every_s: float = 1.0, max_utterance_s: float = 28.0):
         if partial_every_s <= 0 or not 0 < max_utterance_s <= 30:
             raise ValueError("partial_every_s must be > 0 and max_utterance_s in (0, 30] (one Whisper window)")
-        engine.transcription_model(model).check(TranscriptionRequest(np.zeros(0, np.float32), language=language,
-                                                                     prompt=prompt))
         self.engine = engine
         self.model = model
         self.language = language
         self.prompt = prompt
+        engine.transcription_model(model).check(self)  # the session's fields, before any audio
         self.partial_every_s = partial_every_s
         self.max_utterance_s = max_utterance_s
         self._chunks: list[np.ndarray] = []  # the utterance's audio

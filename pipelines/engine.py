@@ -40,6 +40,7 @@ from pipelines.served import (
 from pipelines.tts import SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
 from pipelines.vlm import VLMChatModel
+from pipelines.voice_turn import VoiceTurnRequest, turn_graph
 from stages.executor import GraphExecutor
 from stages.media.stage import MEDIA_STATUS
 from stages.metrics import Metrics
@@ -141,11 +142,11 @@ class Engine:
             raise TypeError(f"Engine.submit runs {[t.__name__ for t in REQUESTS]}, not {type(request).__name__}")
         return self.run(model, self._served_as(model, kind).execution(request), request_id=request_id)
 
-    def run(self, model: str, execution: Execution, *, request_id: str | None = None) -> RequestHandle:
+    def run(self, model: str, execution: Execution, *, request_id: str | None = None, fence=None) -> RequestHandle:
         """Hand a checked request's graph to the executor, with the engine's deadline and the model's admission."""
         return self.executor.submit(execution.graph, execution.inputs, request_id=request_id,
                                     deadline_s=self.config.request_timeout_s, model=model,
-                                    max_inflight=self._specs[model].max_inflight)
+                                    max_inflight=self._specs[model].max_inflight, fence=fence)
 
     def _of_kind(self, kind: type) -> dict[str, ServedModel]:
         return {name: served for name, served in self._served.items() if isinstance(served, kind)}
@@ -164,6 +165,19 @@ class Engine:
             raise RequestError("model", f"model {model!r} does not exist or does not serve realtime voice sessions; "
                                         f"voice models: {sorted(self._voices)}", code="model_not_found", status=404)
         return voice
+
+    def submit_voice_turn(self, voice: str, request: VoiceTurnRequest, *, fence=None) -> RequestHandle:
+        """One turn of a voice model: its chat model's llm streaming phrases into its speech model's tts, one
+        graph (pipelines/voice_turn.py). `fence` (False once the session's epoch has passed) stops both nodes.
+
+        Events: the llm's DELTAs {"text", ...}; with speech, the tts's DELTAs {"audio", "sample_rate", "piece",
+        "text" (on a phrase's first chunk)} in phrase order; FINAL as `turn_graph` says.
+        """
+        spec = self.voice_model(voice)
+        inputs = self._served_as(spec.chat, ServedChat).execution(request.chat).inputs  # the prompt, checked
+        speaker = None if request.speech is None else self.speech_model(spec.tts)
+        graph = turn_graph(spec.chat, spec.tts, request.speech, speaker)
+        return self.run(spec.chat, Execution(graph, inputs), fence=fence)
 
     def chat_model(self, model: str) -> ChatModel:
         return self._served_as(model, ServedChat).model

@@ -1,19 +1,20 @@
-"""One response of a voice session: the cascade LLM -> phrases -> TTS -> paced audio deltas.
+"""One response of a voice session: the turn's graph (LLM ⇢ TTS, one engine request), then paced audio deltas.
 
-Three producers run per response, each fenced by the session's epoch (book ch.21): the LLM loop
-(text deltas; phrases to the TTS), the TTS loop (audio of each phrase, in order) and the sender
+The engine runs the cascade as one graph with a streaming edge (pipelines/voice_turn.py): the LLM's
+text is cut into phrases while it is written and each phrase is spoken by the TTS, its audio in
+order in the same event stream. Two loops run per response, both fenced by the session's epoch
+(book ch.21): the reader of the turn's events (text deltas out; audio to the sender) and the sender
 (audio cut into `delta_ms` pieces and paced so the client holds at most `max_lead_ms` unplayed).
-Each checks `current()` before it emits; the session's audio sink checks the epoch again under the
-outbox lock, so no audio of an old epoch leaves after the bump. On a bump the session cancels the
-engine requests (LLM, TTS), the TTS and sender tasks, and the queues die with this object: the
-next response gets fresh ones.
+The graph carries the fence too: its workers stop at their next boundary once the epoch passes.
+Each loop checks `current()` before it emits; the session's audio sink checks the epoch again under
+the outbox lock, so no audio of an old epoch leaves after the bump. On a bump the session cancels
+the engine request (every node of it) and the sender, and the queue dies with this object.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import unicodedata
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,8 @@ import numpy as np
 
 from pipelines.chat import ChatRequest
 from pipelines.image_request import RequestError
-from pipelines.phrases import PhraseLimits, PhraseSplitter
 from pipelines.tts import SpeechRequest
+from pipelines.voice_turn import VoiceTurnRequest
 from realtime.voice.audio_codec import AudioFormat
 from realtime.voice.items import Item, Phrase
 from realtime.voice.protocol import ResponseParams, event_name
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
     from realtime.voice.session import VoiceSession
 
 log = logging.getLogger(__name__)
-
-# The first phrase is short, so the first audio comes soon; later ones may be whole sentences.
-VOICE_PHRASES = PhraseLimits(max_chars=200, first_max_chars=60)
-
 
 class StaleResponse(Exception):
     """The response's epoch has passed: stop quietly."""
@@ -77,8 +74,8 @@ class Response:
     speed: float
     output_format: AudioFormat  # of the audio it sends
     timings: Timings
-    handles: list = field(default_factory=list)  # engine requests to cancel on a bump
-    tasks: list[asyncio.Task] = field(default_factory=list)  # TTS and sender tasks (no engine calls in flight)
+    handles: list = field(default_factory=list)  # the engine request (the turn graph) to cancel on a bump
+    tasks: list[asyncio.Task] = field(default_factory=list)  # the sender task (no engine call in flight)
     task: asyncio.Task | None = None  # the runner
     item_opened: bool = False  # output_item.added has gone out (the item is in the conversation)
     stopped: bool = False
@@ -150,13 +147,11 @@ class ResponseRunner:
 
     async def _generate(self, messages: list[dict[str, str]]) -> str | None:
         r = self.r
-        phrases: asyncio.Queue | None = asyncio.Queue() if r.audio else None
-        if r.audio:
-            audio: asyncio.Queue = asyncio.Queue()
-            r.tasks = [asyncio.create_task(self._tts(phrases, audio), name=f"tts-{r.id}"),
-                       asyncio.create_task(self._send(audio), name=f"send-{r.id}")]
+        audio: asyncio.Queue | None = asyncio.Queue() if r.audio else None
+        if audio is not None:
+            r.tasks = [asyncio.create_task(self._send(audio), name=f"send-{r.id}")]
         try:
-            finish = await self._llm(messages, phrases)
+            finish = await self._turn(messages, audio)
         except BaseException:
             for task in r.tasks:
                 task.cancel()
@@ -169,9 +164,9 @@ class ResponseRunner:
                 raise result
         return finish
 
-    async def _submit(self, fn, *args):
+    async def _submit(self, fn, *args, **kwargs):
         """An engine call (tokenizing is off the event loop); its handle is cancelled with the response."""
-        submitted = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        submitted = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
         try:
             handle = await asyncio.shield(submitted)
         except asyncio.CancelledError:  # the session is closing: the request must not run on unseen
@@ -183,85 +178,62 @@ class ResponseRunner:
         self.r.handles.append(handle)
         return handle
 
-    async def _llm(self, messages: list[dict[str, str]], phrases: asyncio.Queue | None) -> str | None:
+    async def _turn(self, messages: list[dict[str, str]], audio: asyncio.Queue | None) -> str | None:
+        """The turn's one graph (llm ⇢ tts, pipelines/voice_turn.py): text deltas go out as transcript (or text)
+        deltas, audio deltas, in phrase order, to the sender. Returns the LLM's finish reason."""
         s, r = self.s, self.r
         params = SamplingParams(temperature=r.params.temperature, max_tokens=r.params.max_output_tokens,
                                 seed=s.spec.seed)
         r.timings.llm_submit = s.clock()
-        handle = await self._submit_chat(messages, params)
-        splitter, finish = PhraseSplitter(VOICE_PHRASES), None
+        handle = await self._submit_turn(messages, params)
+        finish = None
         name = "response.output_audio_transcript.delta" if r.audio else "response.output_text.delta"
-        async for event in handle:
-            if not self.current():
-                raise StaleResponse
-            if event.kind is EventKind.DELTA:
-                text, finish = event.data.get("text", ""), event.data.get("finish_reason") or finish
-                if not text:
-                    continue
-                if r.timings.llm_first is None:
-                    r.timings.llm_first = s.clock()
-                r.item.text += text
-                await s.emit({"type": event_name(name, s.config.beta), "response_id": r.id, "item_id": r.item.id,
-                              "output_index": 0, "content_index": 0, "delta": text}, guard=self.current)
-                if phrases is not None:
-                    for phrase in splitter.feed(text):
-                        await self._speak(phrase, phrases)
-            elif event.kind is EventKind.ERROR:
-                raise StageError.from_event(event)
-            elif event.kind is EventKind.FINAL:
-                r.usage = dict(event.data["outputs"].get("usage") or {})
-                choices = event.data["outputs"].get("choices") or [{}]
-                finish = choices[0].get("finish_reason") or finish
-        if phrases is not None:
-            for phrase in splitter.flush():
-                await self._speak(phrase, phrases)
-            await phrases.put(None)
+        try:
+            async for event in handle:
+                if not self.current():
+                    raise StaleResponse
+                if event.kind is EventKind.DELTA and event.stage == "llm":
+                    text, finish = event.data.get("text", ""), event.data.get("finish_reason") or finish
+                    if not text:
+                        continue
+                    if r.timings.llm_first is None:
+                        r.timings.llm_first = s.clock()
+                    r.item.text += text
+                    await s.emit({"type": event_name(name, s.config.beta), "response_id": r.id,
+                                  "item_id": r.item.id, "output_index": 0, "content_index": 0, "delta": text},
+                                 guard=self.current)
+                elif event.kind is EventKind.STAGE_STARTED and event.stage == "tts":
+                    r.timings.tts_submit = s.clock()  # the first phrase was handed to the TTS
+                elif event.kind is EventKind.DELTA and event.stage == "tts" and audio is not None:
+                    if r.timings.tts_first is None:
+                        r.timings.tts_first = s.clock()
+                    # a phrase's text goes with its first chunk (a phrase the TTS split further: later ones "")
+                    await audio.put((event.data.get("text", ""), np.asarray(event.data["audio"], np.float32)))
+                elif event.kind is EventKind.ERROR:
+                    raise StageError.from_event(event)
+                elif event.kind is EventKind.FINAL:
+                    outputs = event.data["outputs"]
+                    llm = outputs["llm"] if r.audio else outputs
+                    r.usage = dict(llm.get("usage") or {})
+                    finish = (llm.get("choices") or [{}])[0].get("finish_reason") or finish
+        finally:
+            if audio is not None:
+                audio.put_nowait(None)  # the sender ends too (after what it has), whatever happened here
         return finish
 
-    async def _submit_chat(self, messages: list[dict[str, str]], params: SamplingParams):
-        """Submit the chat; when the history outgrows the model's context, the oldest turns are left out."""
-        s = self.s
+    async def _submit_turn(self, messages: list[dict[str, str]], params: SamplingParams):
+        """Submit the turn; when the history outgrows the model's context, the oldest turns are left out."""
+        s, r = self.s, self.r
+        speech = SpeechRequest("", voice=r.voice, speed=r.speed, sample_rate=r.output_rate,
+                               tenant=s.tenant) if r.audio else None
         while True:
-            request = ChatRequest(messages=messages, params=params, tenant=s.tenant)
+            request = VoiceTurnRequest(ChatRequest(messages=messages, params=params, tenant=s.tenant), speech)
             try:
-                return await self._submit(s.engine.submit_chat, s.spec.chat, request)
+                return await self._submit(s.engine.submit_voice_turn, s.spec.name, request, fence=self.current)
             except RequestError as exc:
                 if exc.code != "context_length_exceeded" or len(messages) <= 2:
                     raise
                 messages = messages[:1] + messages[2:]
-
-    async def _speak(self, phrase: str, phrases: asyncio.Queue) -> None:
-        s, r = self.s, self.r
-        text = speakable(phrase)
-        if not text:
-            return
-        request = SpeechRequest(text, voice=r.voice, speed=r.speed, sample_rate=r.output_rate, tenant=s.tenant)
-        if r.timings.tts_submit is None:
-            r.timings.tts_submit = s.clock()
-        try:
-            handle = await self._submit(s.engine.submit_speech, s.spec.tts, request)
-        except RequestError as exc:
-            if exc.code == "unspeakable_input":  # the TTS vocabulary knows none of its characters
-                return
-            raise
-        await phrases.put((phrase, handle))
-
-    async def _tts(self, phrases: asyncio.Queue, audio: asyncio.Queue) -> None:
-        """Each phrase's audio, in order (the TTS pool may synthesise several at once)."""
-        r = self.r
-        try:
-            while (entry := await phrases.get()) is not None:
-                phrase, handle = entry
-                async for event in handle:
-                    if event.kind is EventKind.DELTA:
-                        if r.timings.tts_first is None:
-                            r.timings.tts_first = self.s.clock()
-                        await audio.put((phrase, np.asarray(event.data["audio"], np.float32)))
-                        phrase = ""  # a phrase the TTS split further: its text goes with its first piece
-                    elif event.kind is EventKind.ERROR:
-                        raise StageError.from_event(event)
-        finally:
-            audio.put_nowait(None)  # the sender ends too (after what it has), whatever happened here
 
     async def _send(self, audio: asyncio.Queue) -> None:
         """Cut into delta_ms pieces; wait while the client holds max_lead_ms unplayed; hand to the sink."""
@@ -289,13 +261,6 @@ class ResponseRunner:
             if over <= 0:
                 return
             await asyncio.sleep(over / 1000)
-
-
-def speakable(text: str) -> str:
-    """The text without control or unassigned characters (a language model may emit any)."""
-    kept = "".join(ch if unicodedata.category(ch)[0] not in "CZ" or ch == " " else " " for ch in text
-                   if ch != "\ufffd")
-    return " ".join(kept.split())
 
 
 def response_object(r: Response, *, status: str, reason: str | None = None, error: dict[str, Any] | None = None,

@@ -1,0 +1,114 @@
+"""A voice turn is one graph: llm ⇢ tts with a streaming edge (pipelines/voice_turn.py, Engine.submit_voice_turn).
+
+Checked against the cascade it replaces: the text equals the chat model's own greedy answer, each phrase's
+audio equals a speech request for that phrase alone, and one cancel (or the fence) stops both nodes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipelines.chat import ChatRequest
+from pipelines.phrases import PhraseSplitter
+from pipelines.tts import SpeechRequest
+from pipelines.voice_turn import VOICE_PHRASES, VoiceTurnRequest, speakable
+from stages.events import EventKind, StageError
+from stages.llm.params import SamplingParams
+from tests.test_realtime_voice_support import voice_engine, voice_models  # noqa: F401  (a fixture)
+
+MESSAGES = [{"role": "system", "content": "You are a helpful voice assistant."},
+            {"role": "user", "content": "Tell me about the sea, please."}]
+
+
+@pytest.fixture(scope="module")
+def engine(voice_models):  # noqa: F811
+    engine = voice_engine(voice_models)
+    yield engine
+    engine.shutdown()
+
+
+def _turn(max_tokens: int = 40, speech: bool = True) -> VoiceTurnRequest:
+    chat = ChatRequest(messages=MESSAGES, params=SamplingParams(temperature=0, max_tokens=max_tokens, seed=0))
+    return VoiceTurnRequest(chat, SpeechRequest("", voice=None, sample_rate=24000) if speech else None)
+
+
+def _count(engine, pool: str, model: str) -> float:
+    return engine.metrics.registry.get_sample_value("mmserve_stage_run_seconds_count",
+                                                    {"stage": pool, "model": model}) or 0.0
+
+
+def test_a_turn_speaks_the_chat_models_answer_phrase_by_phrase(engine):
+    tts_steps = _count(engine, "vits-demo/tts", "vits-demo")
+    llm_steps = _count(engine, "llama-demo/llm", "llama-demo")
+    events = list(engine.submit_voice_turn("voice", _turn()).events(timeout=300))
+    text = "".join(e.data.get("text", "") for e in events if e.kind is EventKind.DELTA and e.stage == "llm")
+    alone = engine.submit_chat("llama-demo", _turn().chat).result(timeout=300)
+    assert text == alone["choices"][0]["text"]  # the llm node is the chat model's own greedy decode
+
+    splitter = PhraseSplitter(VOICE_PHRASES)
+    phrases = [p for p in [*splitter.feed(text), *splitter.flush()] if speakable(p)]
+    assert phrases, f"the demo model's answer has nothing to speak: {text!r}"
+    audio = [e for e in events if e.kind is EventKind.DELTA and e.stage == "tts"]
+    pieces = sorted({e.data["piece"] for e in audio})
+    assert [e.data["piece"] for e in audio] == sorted(e.data["piece"] for e in audio)  # in phrase order
+    assert pieces == list(range(len(phrases)))
+    for piece, phrase in enumerate(phrases):
+        chunks = [e for e in audio if e.data["piece"] == piece]
+        assert chunks[0].data["text"] == phrase and all("text" not in c.data for c in chunks[1:])
+        spoken = np.concatenate([c.data["audio"] for c in chunks])
+        reference = engine.submit_speech("vits-demo", SpeechRequest(speakable(phrase), sample_rate=24000))
+        np.testing.assert_array_equal(spoken, reference.result(timeout=300)["audio"])
+
+    started = [e.stage for e in events if e.kind is EventKind.STAGE_STARTED]
+    assert started[0] == "llm" and started.count("tts") == 1
+    first_tts = next(i for i, e in enumerate(events) if e.kind is EventKind.STAGE_STARTED and e.stage == "tts")
+    last_llm = max(i for i, e in enumerate(events) if e.kind is EventKind.DELTA and e.stage == "llm")
+    if len(phrases) > 1:  # a later phrase was still being written when the first went to the TTS
+        assert first_tts < last_llm
+    outputs = events[-1].data["outputs"]
+    assert events[-1].kind is EventKind.FINAL and len(outputs["pieces"]) == len(phrases)
+    usage = outputs["llm"]["usage"]  # (the second request found the prompt in the prefix cache)
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (alone["usage"]["prompt_tokens"],
+                                                                     alone["usage"]["completion_tokens"])
+    # /metrics shows both nodes of the turn
+    assert _count(engine, "vits-demo/tts", "vits-demo") >= tts_steps + len(phrases)
+    assert _count(engine, "llama-demo/llm", "llama-demo") > llm_steps
+
+
+def test_a_text_turn_is_the_llm_node_alone(engine):
+    events = list(engine.submit_voice_turn("voice", _turn(speech=False)).events(timeout=300))
+    assert {e.stage for e in events if e.kind is EventKind.STAGE_STARTED} == {"llm"}
+    assert "choices" in events[-1].data["outputs"]
+
+
+def test_cancel_stops_both_nodes(engine):
+    handle = engine.submit_voice_turn("voice", _turn(max_tokens=200))
+    seen = []
+    for event in handle.events(timeout=300):
+        seen.append(event)
+        if event.kind is EventKind.STAGE_STARTED and event.stage == "tts":
+            handle.cancel()
+    assert seen[-1].kind is EventKind.ERROR and seen[-1].data["code"] == "cancelled"
+    with pytest.raises(StageError, match="cancelled"):
+        handle.result(timeout=30)
+    assert engine.executor.in_flight() == 0
+
+
+def test_a_closed_fence_stops_the_turn_and_silences_it(engine):
+    current = [True]
+    handle = engine.submit_voice_turn("voice", _turn(max_tokens=200), fence=lambda: current[0])
+    after = []
+    for event in handle.events(timeout=300):
+        if not current[0]:
+            after.append(event)
+        elif event.kind is EventKind.DELTA:
+            current[0] = False  # barge-in: the session's epoch moved on
+    assert [e.kind for e in after] == [EventKind.ERROR] and after[0].data["code"] == "cancelled"
+    assert engine.executor.in_flight() == 0
+
+
+def test_unknown_voice_model_is_a_404(engine):
+    with pytest.raises(StageError) as info:
+        engine.submit_voice_turn("nope", _turn())
+    assert (info.value.status, info.value.param) == (404, "model")
