@@ -8,6 +8,7 @@ from typing import Any
 from pipelines.chat_parts import checked_message
 from pipelines.image_request import RequestError
 from pipelines.token_bound import max_chars_per_token
+from pipelines.token_texts import TokenTexts
 from stages.cuda_graph_metrics import MetricsObserver
 from stages.cuda_graphs import GraphConfig
 from stages.llm.params import SamplingParams
@@ -76,12 +77,20 @@ class ChatModel:
         scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
         return LLMStage(self.name, self.runner, self.tokenizer, scheduler, metrics, tuple(set(eos)))
 
-    def generation_request(self, request: ChatRequest) -> GenerationRequest:
-        """Cheap checks, then the chat template and tokenizer: the token ids that will run."""
+    def check_params(self, request: ChatRequest) -> None:
+        """The sampling parameters against this model (token ids and top_k within its vocabulary)."""
         try:
             request.params.check_vocab(self.runner.vocab_size)
         except ValueError as e:
             raise RequestError(str(e).split(" ")[0].strip(":"), str(e)) from None
+
+    def token_texts(self) -> TokenTexts:
+        """Token id -> (text, bytes) with this model's tokenizer, memoized: one per reply's logprobs."""
+        return TokenTexts(self.tokenizer)
+
+    def generation_request(self, request: ChatRequest) -> GenerationRequest:
+        """Cheap checks, then the chat template and tokenizer: the token ids that will run."""
+        self.check_params(request)
         if sum(x is not None for x in (request.messages, request.prompt, request.prompts)) != 1:
             raise RequestError("messages", "send either messages (chat) or prompt (completions)")
         if request.messages is not None:

@@ -82,7 +82,9 @@ class VLMChatModel(ChatModel):
 
     # -- multimodal requests --------------------------------------------------------------------------
     def parse(self, request: ChatRequest) -> ParsedChat:
-        """Content parts and media limits; the text alone must fit the context (before any fetch)."""
+        """Sampling parameters, content parts and media limits; the text alone must fit the context (before any
+        fetch)."""
+        self.check_params(request)
         parsed = parse_messages(request.messages, self.vlm)
         text_tokens = len(self._render(parsed, [[] for _ in parsed.media]))
         if text_tokens >= self.runner.max_context:
@@ -97,10 +99,6 @@ class VLMChatModel(ChatModel):
         `media[i]` holds the decoded items of parsed.media[i] (a video is one item, or its frames for models
         that take videos as images).
         """
-        try:
-            request.params.check_vocab(self.runner.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e).split(" ")[0].strip(":"), str(e)) from None
         # 1. plan every item: geometry (token count) and cache identity, from sizes alone
         queues: dict[str, collections.deque[EncodeTask]] = {"image": collections.deque(), "video": collections.deque()}
         for part, items in zip(parsed.media, media, strict=True):

@@ -8,13 +8,13 @@ Unknown fields are refused, as OpenAI does.
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from pipelines.image_request import RequestError
+from pipelines.token_texts import TokenTexts
 from stages.llm.params import MAX_N, SamplingParams
 
 # SamplingParams fields a request may set under the same name.
@@ -79,8 +79,8 @@ class SamplingFields(BaseModel):
         """SamplingParams field -> the request field a client would recognise."""
         return {}
 
-    def sampling_params(self, vocab_size: int) -> SamplingParams:
-        """Build and check SamplingParams (and token ids against the model's vocabulary). Raises RequestError."""
+    def sampling_params(self) -> SamplingParams:
+        """Build and check SamplingParams (the model checks token ids against its vocabulary). Raises RequestError."""
         values = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         max_tokens, max_name = self._max_tokens()
         if max_tokens is not None:
@@ -89,7 +89,6 @@ class SamplingFields(BaseModel):
         names = {"max_tokens": max_name, **self._param_names()}
         try:
             params = SamplingParams(**values)
-            params.check_vocab(vocab_size)
         except ValueError as e:
             field, _, rest = str(e).partition(" ")
             if field not in SamplingParams.__dataclass_fields__:
@@ -202,54 +201,6 @@ def _kind(value: Any) -> str:
 # -- replies ------------------------------------------------------------------------------
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
-_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte-fallback tokens
-
-
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the printable stand-in character -> the byte it encodes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_decoder()
-
-
-class TokenTexts:
-    """Token id -> (text, exact UTF-8 bytes) for logprobs, with the model's tokenizer; memoized per reply.
-
-    The text is the token decoded alone; a token holding part of a UTF-8 character decodes to U+FFFD,
-    so its bytes come from the token's own piece (byte-level BPE or sentencepiece byte fallback).
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._memo: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
-        if token_id not in self._memo:
-            self._memo[token_id] = self._render(token_id)
-        return self._memo[token_id]
-
-    def _render(self, token_id: int) -> tuple[str, list[int]]:
-        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        if "\ufffd" not in text:
-            return text, list(text.encode())
-        piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
-        byte = _BYTE_PIECE.match(piece)
-        if byte:
-            return text, [int(byte.group(1), 16)]
-        if piece and all(c in _BYTE_LEVEL for c in piece):
-            return text, [_BYTE_LEVEL[c] for c in piece]
-        return text, list(text.encode())
-
-
 def _logprob(value: float) -> float:
     return max(float(value), LOGPROB_FLOOR)
 
@@ -271,11 +222,12 @@ class TextReply:
     object = ""  # the non-streamed object type
     chunk_object = ""  # the streamed object type
 
-    def __init__(self, reply_id: str, model: str, tokenizer, params: SamplingParams, *, include_usage: bool):
+    def __init__(self, reply_id: str, model: str, tokens: TokenTexts, params: SamplingParams, *,
+                 include_usage: bool):
         self.id = reply_id
         self.model = model
         self.created = int(time.time())
-        self.tokens = TokenTexts(tokenizer)
+        self.tokens = tokens  # the model's token id -> (text, bytes), for logprobs
         self.n = params.n
         self.wants_logprobs = params.logprobs
         self.include_usage = include_usage
@@ -366,8 +318,9 @@ class CompletionReply(TextReply):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, reply_id: str, model: str, tokenizer, params: SamplingParams, *, include_usage: bool):
-        super().__init__(reply_id, model, tokenizer, params, include_usage=include_usage)
+    def __init__(self, reply_id: str, model: str, tokens: TokenTexts, params: SamplingParams, *,
+                 include_usage: bool):
+        super().__init__(reply_id, model, tokens, params, include_usage=include_usage)
         self._offsets: dict[int, int] = {}  # choice index -> characters of token text so far
 
     def _choice(self, index, text, finish_reason, logprobs):

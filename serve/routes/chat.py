@@ -28,9 +28,9 @@ CHAT_TASK = "chat"  # ModelInfo.tasks of a causal LM
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
     model = resolve_chat_model(engine, body.model)
-    chat = engine.chat_model(model)
-    params = body.sampling_params(chat.runner.vocab_size)
-    reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model, chat.tokenizer, params, include_usage=body.include_usage)
+    params = body.sampling_params()  # the model checks its token ids against the vocabulary, once
+    reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model, engine.chat_model(model).token_texts(), params,
+                      include_usage=body.include_usage)
     # Image and video parts are fetched and decoded (media workers) before the request is admitted.
     handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant),
                                        request_id=reply.id)
@@ -42,9 +42,8 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: s
     engine = request.app.state.engine
     prompt = body.prompt_fields()  # one prompt, or a list: they run together, choice k * n + j is prompt k's
     model = resolve_chat_model(engine, body.model)
-    chat = engine.chat_model(model)
-    params = body.sampling_params(chat.runner.vocab_size)
-    reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", model, chat.tokenizer, params,
+    params = body.sampling_params()
+    reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", model, engine.chat_model(model).token_texts(), params,
                             include_usage=body.include_usage)
     handle = engine.submit_chat(model, ChatRequest(**prompt, params=params, tenant=tenant), request_id=reply.id)
     return await respond(request, handle, reply, stream=body.stream)
