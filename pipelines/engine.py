@@ -243,21 +243,15 @@ class Engine:
         Events: PROGRESS {"step": i, "total": n}; FINAL outputs {"frames": uint8 [T, H, W, 3], "fps": float,
         "seed": int} (and "pixels": float [T, H, W, 3] in [0, 1]).
         """
-        self._video_family(model)
         return self.submit(model, request, request_id=request_id)
 
     def check_video(self, model: str, request: VideoRequest) -> VideoRequest:
         """The request as submit_video would run it (defaults filled, a seed drawn), or the field-naming
         RequestError it would raise; runs nothing. The /v1/videos route calls it before it stores a job."""
-        return self._video_family(model).validate(request)
-
-    def _video_family(self, model: str) -> VideoFamily:
-        family = self.family(model)
-        if not isinstance(family, VideoFamily):
-            videos = sorted(n for n, s in self._of_kind(ServedDiffusion).items() if isinstance(s.model, VideoFamily))
-            raise RequestError("model", f"model {model!r} does not make videos; video models: {videos}",
-                               code="model_not_found", status=404)
-        return family
+        served = self._served_as(model, ServedDiffusion)
+        result = served.check(request)
+        assert isinstance(result, VideoRequest)
+        return result
 
     def embedding_model(self, model: str) -> EmbeddingModel:
         return self._served_as(model, ServedEmbedding).model

@@ -198,9 +198,9 @@ class ServedDiffusion:
     def check(self, request: ImageRequest | VideoRequest) -> ImageRequest | VideoRequest:
         """The request as it will run (defaults filled, a seed drawn), or the field-naming RequestError."""
         if isinstance(request, VideoRequest):
-            if not isinstance(self.model, VideoFamily):
-                raise RequestError("model", f"model {self.name!r} does not make videos", code="model_not_found",
-                                   status=404)
+            if not isinstance(self.model, VideoFamily):  # (routes refuse it sooner: unsupported_task)
+                raise RequestError("model", f"model {self.name!r} does not make videos; it does "
+                                            f"{list(self.info.tasks)}", code="model_not_found", status=404)
             return self.model.validate(request)
         if isinstance(self.model, VideoFamily):
             raise RequestError("model", f"model {self.name} makes videos ({list(self.model.tasks)}); use /v1/videos")
