@@ -165,11 +165,7 @@ class JobRunner:
                 if outputs is None:
                     raise StageError("cancelled", "the job was cancelled", status=499)
                 self.store.update_job(job_id, status="finalizing", durable=False)
-                media = self.engine.media()
-                mp4 = await asyncio.to_thread(media.run, "encode_video", outputs["frames"], outputs["fps"], "mp4")
-                thumb = await asyncio.to_thread(self.engine.encode_images, [_first_frame(outputs["frames"])], "jpeg")
-                write_atomic(self.store.results_dir / f"{job_id}.mp4", mp4)
-                write_atomic(self.store.results_dir / f"{job_id}.jpg", thumb[0])
+                await self._write_results(job_id, outputs)
                 self.store.finish_job(job_id, "completed", result={"seed": outputs.get("seed"),
                                                                     "fps": outputs["fps"]},
                                       ttl_s=self.policy.result_ttl_s)
@@ -187,6 +183,27 @@ class JobRunner:
                 handle = self._handles.pop(job_id, None)
                 if handle is not None and not handle.done:
                     handle.cancel()
+
+    async def _write_results(self, job_id: str, outputs: dict[str, Any]) -> None:
+        """The MP4 and the thumbnail (a JPEG of the first frame), encoded at once in the media workers and each
+        written, off the event loop, as soon as it is encoded. Both have ended when this returns; it raises the
+        first error, the MP4's before the thumbnail's."""
+        frames = outputs["frames"]
+
+        def mp4() -> bytes:
+            return self.engine.media().run("encode_video", frames, outputs["fps"], "mp4")
+
+        def thumbnail() -> bytes:
+            return self.engine.encode_images([_first_frame(frames)], "jpeg")[0]
+
+        async def write(suffix: str, encode) -> None:
+            data = await asyncio.to_thread(encode)
+            await asyncio.to_thread(write_atomic, self.store.results_dir / f"{job_id}{suffix}", data)
+
+        ended = await asyncio.gather(write(".mp4", mp4), write(".jpg", thumbnail), return_exceptions=True)
+        for result in ended:
+            if isinstance(result, BaseException):
+                raise result
 
     # -- batch ----------------------------------------------------------------------------
     async def _run_batch(self, job_id: str) -> None:

@@ -298,6 +298,49 @@ def test_in_progress_video_restarts_after_a_crash(tmp_path):
     assert done["status"] == "completed" and len(engine.submitted) == 1
 
 
+class _ResultEngine(FakeEngine):
+    """The MP4 and thumbnail encoders meet at a barrier: a job completes only if they run at the same time;
+    `fail` names the encoders that raise instead."""
+
+    def __init__(self, fail: tuple[str, ...] = ()):
+        super().__init__(step_s=0.0)
+        self.fail = fail
+        self.barrier = threading.Barrier(2, timeout=10)
+
+    def media(self):
+        def run(name, frames, fps, fmt):
+            self.barrier.wait()
+            if "mp4" in self.fail:
+                raise RuntimeError("the encoder broke")
+            return b"MP4" + bytes(len(frames))
+        return types.SimpleNamespace(run=run)
+
+    def encode_images(self, images, fmt, quality=None):
+        from pipelines.image_request import RequestError
+
+        self.barrier.wait()
+        if "jpeg" in self.fail:
+            raise RequestError("output_format", "no jpeg today", code="media_format")
+        return super().encode_images(images, fmt, quality)
+
+
+def test_the_mp4_and_the_thumbnail_encode_at_once_and_their_errors_keep_their_order(tmp_path):
+    engine = _ResultEngine()
+    with TestClient(_app(engine, tmp_path / "ok")) as client:
+        job = client.post("/v1/videos", json={"prompt": "a cat"}).json()
+        done, _ = _wait(client, job["id"])
+        assert done["status"] == "completed", done  # not a barrier timeout: both encoders ran together
+        assert client.get(f"/v1/videos/{job['id']}/content").content.startswith(b"MP4")
+        thumb = client.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
+        assert thumb.status_code == 200 and thumb.content.startswith(b"\xff\xd8")  # a JPEG
+    for fail, code in ((("jpeg",), "media_format"), (("mp4", "jpeg"), "internal_error")):
+        engine = _ResultEngine(fail)
+        with TestClient(_app(engine, tmp_path / "-".join(fail))) as client:
+            job = client.post("/v1/videos", json={"prompt": "a cat"}).json()
+            done, _ = _wait(client, job["id"])
+            assert done["status"] == "failed" and done["error"]["code"] == code, done  # the MP4's error first
+
+
 # -- mmserve batch run: resume ------------------------------------------------------------------
 
 
