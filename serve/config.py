@@ -11,6 +11,7 @@
     [jobs]                        # optional: serve.job_runner.JobPolicy
     batch_line_concurrency = 2    # batch lines in flight across all batches (batches yield to interactive requests)
     video_concurrency = 2
+    video_start_window_s = 0.02   # video jobs created in a burst start together, waiting at most this long; 0: off
     max_jobs_per_tenant = 8
 
     [engine]                      # optional

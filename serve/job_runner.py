@@ -7,6 +7,9 @@ Policy (DESIGN §10, issue 7):
   `batch_line_concurrency` batch lines are in flight across all batches (default 2), so a large
   batch adds a bounded, small load to the engine's queues while interactive requests take the
   rest of each step's batch; videos run at most `video_concurrency` at once.
+* Bursts: video jobs created in a burst start together (a start window of at most `video_start_window_s`), so they
+  share the text-encode batch and every denoise step; a job started alone would run its own text encode and steps
+  while the rest of its burst waits a batch behind, and they all finish later.
 * Limits: a tenant holds at most `max_jobs_per_tenant` unfinished jobs of each kind; more answer 429.
 
 Results are written atomically (serve/jobs.py) before the row that marks a job completed.
@@ -40,12 +43,40 @@ class JobPolicy:
     max_jobs_per_tenant: int = 8  # unfinished jobs per tenant and kind; more answer 429
     result_ttl_s: int = 7 * 86400  # completed results stay downloadable this long
     ready_poll_s: float = 0.2  # how often recovery checks whether the engine is ready
+    # The longest a video job waits for the jobs created right after it, to reach the engine with them (a quarter of
+    # this without a new job ends the wait sooner); 0: each starts at once. Once past it a job waits only for a slot.
+    video_start_window_s: float = 0.02
     expiry_sweep_s: float = 600.0  # how often expired results are deleted
 
     def __post_init__(self):
         for name in ("batch_line_concurrency", "video_concurrency", "max_jobs_per_tenant", "result_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"jobs.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.video_start_window_s <= 1:
+            raise ValueError(f"jobs.video_start_window_s must be in [0, 1] seconds, got {self.video_start_window_s}")
+
+
+class _StartWindow:
+    """The video jobs that start together: it closes once no job has joined it for a quarter of its length (a
+    burst's POSTs arrive ~2 ms apart), or its length after it opened (a steady stream of jobs does not hold it)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, length_s: float):
+        self._loop = loop
+        self._length_s = length_s
+        self._opened = loop.time()
+        self.closed: asyncio.Future[None] = loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+        self.join()
+
+    def join(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        close_at = min(self._opened + self._length_s, self._loop.time() + self._length_s / 4)
+        self._timer = self._loop.call_at(close_at, self._close)
+
+    def _close(self) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
 
 
 class JobRunner:
@@ -60,6 +91,7 @@ class JobRunner:
         self._handles: dict[str, Any] = {}  # video job id -> the engine's RequestHandle while it runs
         self._batch_slots: asyncio.Semaphore | None = None
         self._video_slots: asyncio.Semaphore | None = None
+        self._start_window: _StartWindow | None = None  # the last start window (closed or open)
         self._recovery: asyncio.Task | None = None
         self._recovered = False  # until then, recovery (not schedule) starts every stored job
 
@@ -133,6 +165,7 @@ class JobRunner:
     async def _run_video(self, job_id: str) -> None:
         from pipelines.video import VideoRequest
 
+        await self._burst()
         async with self._video_slots:
             job = self.store.get_job(job_id)
             if job.status != "queued":
@@ -183,6 +216,20 @@ class JobRunner:
                 handle = self._handles.pop(job_id, None)
                 if handle is not None and not handle.done:
                     handle.cancel()
+
+    async def _burst(self) -> None:
+        """Wait until the start window closes, opening one if none is open, else joining it (see _StartWindow).
+        The jobs it held then take their video slots and submit in one go, none awaiting between its slot and its
+        submit (unless it has an input_reference to decode), so the engine's text-encode pool batches them."""
+        length_s = self.policy.video_start_window_s
+        if length_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        if self._start_window is None or self._start_window.closed.done():
+            self._start_window = _StartWindow(loop, length_s)
+        else:
+            self._start_window.join()
+        await asyncio.shield(self._start_window.closed)  # a job cancelled meanwhile leaves it open for the rest
 
     async def _write_results(self, job_id: str, outputs: dict[str, Any]) -> None:
         """The MP4 and the thumbnail (a JPEG of the first frame), encoded at once in the media workers and each

@@ -298,6 +298,58 @@ def test_in_progress_video_restarts_after_a_crash(tmp_path):
     assert done["status"] == "completed" and len(engine.submitted) == 1
 
 
+def test_a_burst_of_video_jobs_starts_together_and_a_stream_does_not_hold_the_window(tmp_path):
+    from serve.job_runner import JobPolicy, JobRunner
+
+    async def main():
+        runner = JobRunner(JobStore(tmp_path), FakeEngine(), app=None, policy=JobPolicy(video_start_window_s=0.2))
+        loop = asyncio.get_running_loop()
+        released: list[tuple[int, object, float]] = []  # (job, its window, when it was let go)
+
+        async def job(i: int, after_s: float) -> None:
+            await asyncio.sleep(after_s)
+            await runner._burst()
+            released.append((i, runner._start_window, loop.time()))
+
+        # a burst (10 ms apart, under a quarter of the window), then one job after the window closed
+        start = loop.time()
+        await asyncio.gather(*(job(i, 0.01 * i) for i in range(4)), job(4, 0.6))
+        burst = [r for r in released if r[0] < 4]
+        assert len({id(w) for _, w, _ in burst}) == 1  # one window let all four go, in the same tick
+        assert max(t for *_, t in burst) - min(t for *_, t in burst) < 0.005
+        assert 0.03 + 0.05 <= burst[0][2] - start < 0.2  # a quarter (50 ms) after the last joined: not the cap
+        assert released[-1][0] == 4 and released[-1][1] is not burst[0][1]  # a later job opens a new window
+
+        # a steady stream (a job every 30 ms: each joins before the quarter runs out) is let go at the cap
+        released.clear()
+        start = loop.time()
+        await asyncio.gather(*(job(i, 0.03 * i) for i in range(20)))
+        windows = {id(w) for _, w, _ in released}
+        assert len(windows) >= 2  # the first window closed 0.2 s after it opened, with jobs still coming
+        first = [t for _, w, t in released if w is released[0][1]]
+        assert max(first) - start < 0.2 + 0.1
+
+    asyncio.run(main())
+
+
+def test_no_start_window_starts_each_video_job_at_once(tmp_path):
+    from serve.job_runner import JobPolicy, JobRunner
+
+    runner = JobRunner(JobStore(tmp_path), FakeEngine(), app=None, policy=JobPolicy(video_start_window_s=0))
+    asyncio.run(runner._burst())  # returns without waiting
+    assert runner._start_window is None
+    with pytest.raises(ValueError, match="video_start_window_s"):
+        JobPolicy(video_start_window_s=-0.01)
+    from serve.config import load_config
+
+    config = tmp_path / "mmserve.toml"
+    config.write_text("[jobs]\nvideo_start_window_s = 0\n")  # [jobs] turns it off
+    assert load_config(config).jobs.video_start_window_s == 0
+    config.write_text("[jobs]\nvideo_start_window_s = 5\n")
+    with pytest.raises(ValueError, match=r"\[jobs\].*video_start_window_s must be in \[0, 1\] seconds"):
+        load_config(config)
+
+
 class _ResultEngine(FakeEngine):
     """The MP4 and thumbnail encoders meet at a barrier: a job completes only if they run at the same time;
     `fail` names the encoders that raise instead."""
