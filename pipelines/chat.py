@@ -46,25 +46,17 @@ class LLMConfig:
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_chunk)  # validates
 
 
-class ChatModel:
-    """A loaded causal LM: tokenizer + chat template, runner with its paged KV, and the llm stage."""
+class LanguageModel:
+    """What every served language model shares once loaded (a text LM, a VLM): its tokenizer, the runner with its
+    paged KV, the llm stage, and the checks and tokenizing of a request. Subclasses load; `_chat_ids` renders."""
 
-    def __init__(self, name: str, path: str, *, device: str, dtype: str, config: LLMConfig, metrics: Metrics,
-                 graphs: GraphConfig = GraphConfig(), fused_kernels: bool = False):
-        """`graphs`: decode row buckets (captured by `capture_graphs` at warm-up); `fused_kernels`: Triton RMSNorm."""
-        from transformers import AutoTokenizer
-
+    def __init__(self, name: str, tokenizer, runner: ModelRunner, weights_id: str, config: LLMConfig,
+                 metrics: Metrics):
         self.name = name
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
-                                  kv_cache_mb=config.kv_cache_mb, graphs=graphs, name=name,
-                                  observer=MetricsObserver(metrics, "llm", name) if graphs.enabled else None)
-        if fused_kernels:
-            from stages.kernels.patch import use_fused_norms
-
-            use_fused_norms(self.runner.model)
-        self.weights_id = f"{LLM_FAMILY}:{path}"
-        self.max_chars_per_token = max_chars_per_token(self.tokenizer)  # None: no refusal before tokenizing
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.weights_id = weights_id
+        self.max_chars_per_token = max_chars_per_token(tokenizer)  # None: no refusal before tokenizing
         self._tokenized_chars = metrics.llm.tokenized_chars.labels(model=name)
         self.stage = self._llm_stage(config, metrics)
 
@@ -127,15 +119,7 @@ class ChatModel:
         return list(prompt)
 
     def _chat_ids(self, raw_messages: list[Any]) -> list[int]:
-        messages = [_checked_message(m, i) for i, m in enumerate(raw_messages)]
-        if not messages:
-            raise RequestError("messages", "messages must hold at least one message")
-        if not self.tokenizer.chat_template:
-            raise RequestError("messages", f"model {self.name} has no chat template; use /v1/completions")
-        # Rendered, then tokenized as apply_chat_template(tokenize=True) does, so the length is checked in between.
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert isinstance(text, str)  # tokenize=False: the rendered text of one conversation
-        return self._tokenize(text, "messages", add_special_tokens=False)
+        raise NotImplementedError
 
     def _tokenize(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
         """The token ids of `text`; refused unread when its characters alone cannot fit the context."""
@@ -149,6 +133,35 @@ class ChatModel:
             raise RequestError(param, f"the prompt is {len(text)} characters, so at least {-(-len(text) // bound)} "
                                f"tokens (no token of this model covers more than {bound} characters); this model's "
                                f"context is {limit} tokens", code="context_length_exceeded")
+
+
+class ChatModel(LanguageModel):
+    """A loaded causal LM: tokenizer + chat template, runner with its paged KV, and the llm stage."""
+
+    def __init__(self, name: str, path: str, *, device: str, dtype: str, config: LLMConfig, metrics: Metrics,
+                 graphs: GraphConfig = GraphConfig(), fused_kernels: bool = False):
+        """`graphs`: decode row buckets (captured by `capture_graphs` at warm-up); `fused_kernels`: Triton RMSNorm."""
+        from transformers import AutoTokenizer
+
+        runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
+                             kv_cache_mb=config.kv_cache_mb, graphs=graphs, name=name,
+                             observer=MetricsObserver(metrics, "llm", name) if graphs.enabled else None)
+        if fused_kernels:
+            from stages.kernels.patch import use_fused_norms
+
+            use_fused_norms(runner.model)
+        super().__init__(name, AutoTokenizer.from_pretrained(path), runner, f"{LLM_FAMILY}:{path}", config, metrics)
+
+    def _chat_ids(self, raw_messages: list[Any]) -> list[int]:
+        messages = [_checked_message(m, i) for i, m in enumerate(raw_messages)]
+        if not messages:
+            raise RequestError("messages", "messages must hold at least one message")
+        if not self.tokenizer.chat_template:
+            raise RequestError("messages", f"model {self.name} has no chat template; use /v1/completions")
+        # Rendered, then tokenized as apply_chat_template(tokenize=True) does, so the length is checked in between.
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(text, str)  # tokenize=False: the rendered text of one conversation
+        return self._tokenize(text, "messages", add_special_tokens=False)
 
 
 def _checked_message(message: Any, i: int) -> dict[str, str]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from encoders.cache import EncoderCache
 from pipelines.asr import TranscriptionModel, TranscriptionRequest
-from pipelines.chat import ChatModel, ChatRequest
+from pipelines.chat import ChatRequest, LanguageModel
 from pipelines.chat_parts import has_media_parts
 from pipelines.config import EngineConfig, ModelSpec, VoiceSpec
 from pipelines.embeddings import EmbeddingModel, EmbeddingRequest
@@ -179,7 +179,7 @@ class Engine:
         graph = turn_graph(spec.chat, spec.tts, request.speech, speaker)
         return self.run(spec.chat, Execution(graph, inputs), fence=fence)
 
-    def chat_model(self, model: str) -> ChatModel:
+    def chat_model(self, model: str) -> LanguageModel:
         return self._served_as(model, ServedChat).model
 
     def submit_chat(self, model: str, request: ChatRequest, *, request_id: str | None = None) -> RequestHandle:

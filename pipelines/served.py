@@ -17,7 +17,7 @@ import numpy as np
 
 from encoders.cache import EncoderCache
 from pipelines.asr import ASR_FAMILY, ASR_POOL, TranscriptionModel, TranscriptionRequest
-from pipelines.chat import ChatModel, ChatRequest
+from pipelines.chat import ChatModel, ChatRequest, LanguageModel
 from pipelines.chat_parts import ParsedChat
 from pipelines.config import MediaConfig, ModelSpec
 from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
@@ -85,7 +85,7 @@ class LoadContext:
 class ServedModel(Protocol):
     name: str
     info: ModelInfo
-    model: Any  # what was loaded: an ImageFamily or VideoFamily, ChatModel, EmbeddingModel, SpeechModel, ...
+    model: Any  # what was loaded: an ImageFamily or VideoFamily, LanguageModel, EmbeddingModel, SpeechModel, ...
     does: ClassVar[str]  # what it does, for errors: "chat", "make speech", ...
     kinds: ClassVar[str]  # its kind in the plural, for errors: "chat models", ...
 
@@ -238,13 +238,13 @@ class ServedChat:
 
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         self.name = spec.name
-        self.model: ChatModel = self._load(spec, ctx)
+        self.model: LanguageModel = self._load(spec, ctx)
         self.info = ModelInfo(spec.name, family_name, spec.path, self.tasks, random_weights=random_weights)
         self.ctx = ctx
 
     tasks: tuple[str, ...] = ("chat",)
 
-    def _load(self, spec: ModelSpec, ctx: LoadContext) -> ChatModel:
+    def _load(self, spec: ModelSpec, ctx: LoadContext) -> LanguageModel:
         return ChatModel(spec.name, spec.path, device=spec.device, dtype=spec.dtype, config=spec.llm,
                          metrics=ctx.metrics, graphs=spec.graphs, fused_kernels=spec.fused_kernels)
 
@@ -269,7 +269,7 @@ class ServedVLM(ServedChat):
 
     tasks = ("chat", "vision-chat")
 
-    def _load(self, spec: ModelSpec, ctx: LoadContext) -> ChatModel:
+    def _load(self, spec: ModelSpec, ctx: LoadContext) -> LanguageModel:
         # A reload gets a new weights id (file fingerprint); entries of the old weights are dropped now.
         stale = f"{VLM_FAMILY}:{spec.path}:"
         ctx.encoder_cache.invalidate(lambda key: key[1].startswith(stale))  # type: ignore[index]  # (tenant, id, ..)

@@ -30,7 +30,7 @@ class TokenTexts:
     so its bytes come from the token's own piece (byte-level BPE or sentencepiece byte fallback).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._memo: dict[int, tuple[str, list[int]]] = {}
 

@@ -21,11 +21,10 @@ from pathlib import Path
 
 from encoders.cache import EncoderCache
 from encoders.vision import EncodeTask, MediaItem, adapter_class
-from pipelines.chat import ChatModel, ChatRequest, LLMConfig
+from pipelines.chat import ChatRequest, LanguageModel, LLMConfig
 from pipelines.chat_parts import ParsedChat, VLMConfig, parse_messages
 from pipelines.config import MediaConfig
 from pipelines.image_request import RequestError
-from pipelines.token_bound import max_chars_per_token
 from stages.llm import attention
 from stages.llm.multimodal import MediaSpan, MRoPE
 from stages.llm.runner import DTYPES, ModelRunner
@@ -37,7 +36,7 @@ from stages.vision import VisionEncodeStage
 VLM_FAMILY = "vlm"
 
 
-class VLMChatModel(ChatModel):
+class VLMChatModel(LanguageModel):
     """A loaded VLM: processor + chat template, the vision adapter and its stage, the runner and the llm stage."""
 
     def __init__(self, name: str, path: str, *, device: str, dtype: str, config: LLMConfig, vlm: VLMConfig,
@@ -45,29 +44,25 @@ class VLMChatModel(ChatModel):
         import torch
         import transformers
 
-        self.name = name
         self.vlm = vlm
         self.processor = transformers.AutoProcessor.from_pretrained(path)
-        self.tokenizer = self.processor.tokenizer
         architecture = _architecture(path)
         cls = getattr(transformers, architecture)
         # Paged attention for the language model only; the vision tower keeps its default attention.
         model = cls.from_pretrained(path, dtype=DTYPES[dtype],
                                     attn_implementation={"text_config": attention.register()})
         model.to(device).eval()
-        self.weights_id = f"{VLM_FAMILY}:{path}:{_fingerprint(path, model)}"
-        self.adapter = adapter_class(architecture)(model, self.processor, weights_id=self.weights_id,
+        weights_id = f"{VLM_FAMILY}:{path}:{_fingerprint(path, model)}"
+        self.adapter = adapter_class(architecture)(model, self.processor, weights_id=weights_id,
                                                    dtype=DTYPES[dtype], device=torch.device(device),
                                                    low_detail_max_pixels=vlm.low_detail_max_pixels)
-        self.runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
-                                  kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
-                                  mrope=self.adapter.uses_mrope)
-        self.max_chars_per_token = max_chars_per_token(self.tokenizer)  # None: no refusal before tokenizing
-        self._tokenized_chars = metrics.llm.tokenized_chars.labels(model=name)
-        self.stage = self._llm_stage(config, metrics)
+        runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
+                             kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
+                             mrope=self.adapter.uses_mrope)
+        super().__init__(name, self.processor.tokenizer, runner, weights_id, config, metrics)
         self.encode_stage = VisionEncodeStage(name, self.adapter, cache, metrics, vlm.max_items_per_forward)
 
-    # -- text-only requests (ChatModel.generation_request) ------------------------------------------
+    # -- text-only requests (LanguageModel.generation_request) ------------------------------------------
     def _chat_ids(self, raw_messages: list) -> list[int]:
         parsed = parse_messages(raw_messages, self.vlm)
         if parsed.media:
