@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -15,25 +15,35 @@ from stages.diffusion.step_cache import StepCacheState
 from stages.stage import WorkItem
 
 
-class DenoiserSpeedups:
-    """Mixed into DiffusionFamily (pipelines/families/diffusion_base.py), the base of the image and the video
-    families: `self.pipe`, `self.name`, `self.family`, `guide` and `split` come from there."""
+class SpeedupHost(Protocol):
+    """What the speed-ups need of the class they are mixed into (DiffusionFamily, the base of the image and the
+    video families, pipelines/families/diffusion_base.py)."""
+
+    name: str  # the served model's name (metric labels)
+    family: str
+
+    @property
+    def pipe(self) -> Any:
+        """The loaded diffusers pipeline (its denoisers are attributes named in `denoiser_keys`)."""
+        ...
+
+    @staticmethod
+    def guide(model_output: torch.Tensor, cfg: bool, scale: float) -> torch.Tensor:
+        """Classifier-free guidance over a [uncond, cond] batch (the output unchanged without CFG)."""
+        ...
+
+    @staticmethod
+    def split(batched: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """A batched output cut back into its items' rows."""
+        ...
+
+
+class DenoiserSpeedups(SpeedupHost):
+    """The speed-ups of a family's denoiser forward, over what `SpeedupHost` provides."""
 
     denoiser_keys: tuple[str, ...] = ("unet",)  # the pipeline attributes holding denoisers
-    name: str
-    family: str
     speedups: Speedups
     denoiser: DenoiserCall
-
-    if TYPE_CHECKING:  # provided by DiffusionFamily
-        @property
-        def pipe(self) -> Any: ...
-
-        @staticmethod
-        def guide(model_output: torch.Tensor, cfg: bool, scale: float) -> torch.Tensor: ...
-
-        @staticmethod
-        def split(batched: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]: ...
 
     def accelerate(self, speedups: Speedups, metrics=None) -> None:
         """At load: fused norms, regional compile and step-cache wrappers on each denoiser; graphs per config."""
