@@ -60,6 +60,26 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
     # -- prepare helpers shared by the image families -----------------------------------------
     mask_batch_args: tuple[int | str, ...] = ("n",)  # how prepare_mask_latents takes the batch: ("n",) or (1, "n")
 
+    def unet_start(self, view, req: ImageRequest, scheduler, dtype, generator, cfg: bool, *,
+                   begin_index: bool = False) -> tuple[dict[str, Any], torch.Tensor]:
+        """A UNet family's first two prepare steps, as its pipelines do them: timesteps (image-to-image and
+        inpainting start part-way, by strength; `begin_index`: text-to-image sets the scheduler's begin index,
+        as SDXL's pipeline does) and initial latents. Returns the item's state so far and the latents."""
+        from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+
+        timesteps, steps = retrieve_timesteps(scheduler, req.num_inference_steps, self.device)
+        if req.task is not Task.TEXT_TO_IMAGE:
+            timesteps = self.strength_timesteps(view, req, steps)
+        elif begin_index and hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        state: dict[str, Any] = {"scheduler": scheduler, "timesteps": timesteps, "total": len(timesteps)}
+        if req.task is Task.TEXT_TO_IMAGE:
+            channels = view.unet.config.in_channels
+            latents = view.prepare_latents(req.n, channels, req.height, req.width, dtype, self.device, generator)
+        else:
+            latents = self.edit_latents(view, req, timesteps, dtype, generator, cfg, state)
+        return state, latents
+
     def strength_timesteps(self, view, req: ImageRequest, steps: int) -> torch.Tensor:
         """Image-to-image and inpainting start part-way through the schedule (sets the begin index)."""
         timesteps, steps = view.get_timesteps(steps, req.strength, self.device)

@@ -8,7 +8,6 @@ from typing import Any, Hashable
 import numpy as np
 import torch
 from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline, StableDiffusionPipeline
-from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
 from pipelines.families.base import ImageFamily
 from pipelines.image_request import ImageRequest, Task
@@ -53,19 +52,9 @@ class StableDiffusionFamily(ImageFamily):
     def prepare(self, item: WorkItem) -> None:
         req, cond, scheduler, view, generator = self.begin(item)
         dtype = cond["embeds"].dtype
-        unet_channels = view.unet.config.in_channels
 
-        # 2.1 timesteps (image-to-image and inpainting start part-way, by strength)
-        timesteps, steps = retrieve_timesteps(scheduler, req.num_inference_steps, self.device)
-        if req.task is not Task.TEXT_TO_IMAGE:
-            timesteps = self.strength_timesteps(view, req, steps)
-        state: dict[str, Any] = {"scheduler": scheduler, "timesteps": timesteps, "total": len(timesteps)}
-
-        # 2.2 latents
-        if req.task is Task.TEXT_TO_IMAGE:
-            latents = view.prepare_latents(req.n, unet_channels, req.height, req.width, dtype, self.device, generator)
-        else:
-            latents = self.edit_latents(view, req, timesteps, dtype, generator, cond["cfg"], state)
+        # 2.1 timesteps (image-to-image and inpainting start part-way, by strength), 2.2 latents
+        state, latents = self.unet_start(view, req, scheduler, dtype, generator, cond["cfg"])
 
         # 2.3 scheduler extras and the guidance embedding of distilled UNets
         state["step_kwargs"] = view.prepare_extra_step_kwargs(generator, 0.0)

@@ -14,7 +14,6 @@ from typing import Any, Hashable
 import numpy as np
 import torch
 from diffusers import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
-from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import retrieve_timesteps
 
 from pipelines.families.sd import StableDiffusionFamily
 from pipelines.image_request import ImageLimits, ImageRequest, Task
@@ -107,22 +106,9 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     def prepare(self, item: WorkItem) -> None:
         req, cond, scheduler, view, generator = self.begin(item)
         dtype = cond["embeds"].dtype
-        unet_channels = view.unet.config.in_channels
 
-        # 2.1 timesteps (image-to-image and inpainting start part-way, by strength)
-        timesteps, steps = retrieve_timesteps(scheduler, req.num_inference_steps, self.device)
-        if req.task is Task.TEXT_TO_IMAGE:
-            if hasattr(scheduler, "set_begin_index"):
-                scheduler.set_begin_index(0)
-        else:
-            timesteps = self.strength_timesteps(view, req, steps)
-        state: dict[str, Any] = {"scheduler": scheduler, "timesteps": timesteps, "total": len(timesteps)}
-
-        # 2.2 latents
-        if req.task is Task.TEXT_TO_IMAGE:
-            latents = view.prepare_latents(req.n, unet_channels, req.height, req.width, dtype, self.device, generator)
-        else:
-            latents = self.edit_latents(view, req, timesteps, dtype, generator, cond["cfg"], state)
+        # 2.1 timesteps (edits start part-way, by strength; text-to-image sets the begin index), 2.2 latents
+        state, latents = self.unet_start(view, req, scheduler, dtype, generator, cond["cfg"], begin_index=True)
 
         # 2.3 scheduler extras
         state["step_kwargs"] = view.prepare_extra_step_kwargs(generator, 0.0)
