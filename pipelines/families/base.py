@@ -60,6 +60,17 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
     # -- prepare helpers shared by the image families -----------------------------------------
     mask_batch_args: tuple[int | str, ...] = ("n",)  # how prepare_mask_latents takes the batch: ("n",) or (1, "n")
 
+    @staticmethod
+    def pooled_conditioning(embeds: torch.Tensor, pooled: torch.Tensor, negative: tuple | None,
+                            n: int) -> dict[str, Any]:
+        """Sequence and pooled text embeddings of one prompt, repeated for n images as num_images_per_prompt
+        does; with CFG, `negative` = (embeds, pooled) of the negative prompt goes first: [uncond x n, cond x n]."""
+        embeds, pooled = embeds.repeat(n, 1, 1), pooled.repeat(n, 1)
+        if negative is not None:
+            embeds = torch.cat([negative[0].repeat(n, 1, 1), embeds])
+            pooled = torch.cat([negative[1].repeat(n, 1), pooled])
+        return {"embeds": embeds, "pooled": pooled, "cfg": negative is not None}
+
     def unet_start(self, view, req: ImageRequest, scheduler, dtype, generator, cfg: bool, *,
                    begin_index: bool = False) -> tuple[dict[str, Any], torch.Tensor]:
         """A UNet family's first two prepare steps, as its pipelines do them: timesteps (image-to-image and

@@ -112,12 +112,8 @@ class StableDiffusion3Family(ImageFamily):
 
     def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
         n, msl = request.n, self.max_sequence_length(request)
-        embeds = self._joint_text(prompt, msl).repeat(n, 1, 1)  # as num_images_per_prompt repeats
-        pooled = prompt["pooled"].repeat(n, 1)
-        if negative is not None:
-            embeds = torch.cat([self._joint_text(negative, msl).repeat(n, 1, 1), embeds])  # [uncond x n, cond x n]
-            pooled = torch.cat([negative["pooled"].repeat(n, 1), pooled])
-        return {"embeds": embeds, "pooled": pooled, "cfg": negative is not None}
+        uncond = None if negative is None else (self._joint_text(negative, msl), negative["pooled"])
+        return self.pooled_conditioning(self._joint_text(prompt, msl), prompt["pooled"], uncond, n)
 
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()

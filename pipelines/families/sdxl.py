@@ -94,12 +94,8 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
         n = request.n
         dtype = self.pipe.text_encoder_2.dtype if self.pipe.text_encoder_2 is not None else self.pipe.unet.dtype
-        embeds = prompt["embeds"].repeat(n, 1, 1)  # as num_images_per_prompt's repeat for one prompt
-        pooled = prompt["pooled"].repeat(n, 1)
-        if negative is not None:
-            embeds = torch.cat([negative["embeds"].to(dtype).repeat(n, 1, 1), embeds])  # [uncond x n, cond x n]
-            pooled = torch.cat([negative["pooled"].repeat(n, 1), pooled])
-        return {"embeds": embeds, "pooled": pooled, "cfg": negative is not None}
+        uncond = None if negative is None else (negative["embeds"].to(dtype), negative["pooled"])
+        return self.pooled_conditioning(prompt["embeds"], prompt["pooled"], uncond, n)
 
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()
