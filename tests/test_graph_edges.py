@@ -104,6 +104,15 @@ def stop():
         ex.shutdown()
 
 
+def gated(stop, gate_after: int, held: str):
+    """An executor whose source holds before word `gate_after` and whose shout pool holds the piece `held`."""
+    gate = threading.Event()
+    words, shout = Words(gate, gate_after=gate_after), Shout(held=held)
+    ex = executor(words=words, shout=shout)
+    stop(ex)
+    return ex, words, shout, gate
+
+
 def wait_for(condition, what: str) -> None:
     done = threading.Event()
     for _ in range(3000):
@@ -121,10 +130,7 @@ def collect(handle) -> list:
 
 
 def test_pieces_start_while_the_source_runs_and_arrive_in_order(stop):
-    gate = threading.Event()
-    words, shout = Words(gate, gate_after=4), Shout(held="One two.")
-    ex = executor(words=words, shout=shout)
-    stop(ex)
+    ex, words, shout, gate = gated(stop, 4, "One two.")
     handle = ex.submit(streamed(), {"text": "One two. Three. Four five six"})
     events = collect(handle)
     wait_for(lambda: "THREE." in shout.done, "piece 1 finished while piece 0 is held")
@@ -160,10 +166,7 @@ def test_a_source_with_nothing_to_cut_still_ends_the_node(stop):
 
 
 def test_cancel_stops_every_node_of_a_streaming_graph(stop):
-    gate = threading.Event()
-    words, shout = Words(gate, gate_after=2), Shout(held="A.")
-    ex = executor(words=words, shout=shout)
-    stop(ex)
+    ex, words, shout, gate = gated(stop, 2, "A.")
     handle = ex.submit(streamed(), {"text": "A. B. C. D. E."})
     wait_for(lambda: shout.seen, "the first piece reached its pool")
     handle.cancel()
@@ -178,10 +181,7 @@ def test_cancel_stops_every_node_of_a_streaming_graph(stop):
 
 
 def test_a_fence_that_closes_stops_the_request_and_silences_it(stop):
-    gate = threading.Event()
-    words, shout = Words(gate, gate_after=1), Shout(held="A.")
-    ex = executor(words=words, shout=shout)
-    stop(ex)
+    ex, words, shout, gate = gated(stop, 1, "A.")
     current = [True]
     handle = ex.submit(streamed(), {"text": "A. B. C."}, fence=lambda: current[0])
     wait_for(lambda: shout.seen, "the first piece reached its pool")
