@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from stages.llm.paged_attention import (
     decode_attention,
+    paged_attention_batched,
     paged_attention_reference,
     paged_decode_torch,
     write_kv,
@@ -84,13 +85,14 @@ def dense_attention(
     return out.transpose(0, 1)
 
 
-def check_reference(layout: Layout, q_lens: list[int], num_heads: int, seed: int, **options) -> None:
+def check_reference(layout: Layout, q_lens: list[int], num_heads: int, seed: int, attention=paged_attention_reference,
+                    **options) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     head_dim = layout.k_cache.shape[3]
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
     starts = torch.tensor([0, *q_lens]).cumsum(0)
     scale = head_dim**-0.5
-    got = paged_attention_reference(
+    got = attention(
         query, layout.k_cache, layout.v_cache, query_start_loc=starts, context_lens=layout.context_lens,
         block_tables=layout.block_tables, scale=scale, **options,
     )
@@ -121,6 +123,29 @@ def test_reference_window_and_soft_cap(options):
     ctx, q_lens = zip(*MIXED)
     layout = make_layout(list(ctx), 4, 2, 16, seed=7)
     check_reference(layout, list(q_lens), 4, seed=7, **options)
+
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sliding_window": 1}, {"soft_cap": 3.0}])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa4/2", "mha4"])
+def test_batched_path_matches_dense(heads, options):
+    """The engine's CPU path (one masked SDPA over every sequence, no loop) against dense attention, on mixed
+    batches, a pure decode batch (the dense, padding-free layout) and block tables padded with -1."""
+    num_heads, num_kv_heads = heads
+    for seed, (ctx, q_lens) in enumerate([zip(*MIXED), zip(*MIXED[2:] + MIXED[:2]),
+                                          ((5, 17, 32, 40), (1, 1, 1, 1))]):
+        layout = make_layout(list(ctx), 4, num_kv_heads, 16, seed, pad=-1 if seed else 0)
+        check_reference(layout, list(q_lens), num_heads, seed, attention=paged_attention_batched, **options)
+
+
+def test_batched_path_zeroes_padding_rows_as_the_reference():
+    layout = make_layout([6, 1, 9], 4, 2, 16, seed=3)
+    context = torch.tensor([6, 0, 9])  # the middle row: a graph bucket's padding (no context)
+    query = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(4))
+    args = dict(query_start_loc=torch.arange(4), context_lens=context, block_tables=layout.block_tables, scale=0.25)
+    got = paged_attention_batched(query, layout.k_cache, layout.v_cache, **args)
+    want = paged_attention_reference(query, layout.k_cache, layout.v_cache, **args)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_keeps_query_dtype_and_rejects_short_context():

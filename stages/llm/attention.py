@@ -4,17 +4,24 @@ The model runs with `config._attn_implementation = "mmserve_paged"`; each attent
 calls `paged_attention_forward` with this step's (post-RoPE) query/key/value of the packed
 batch. It writes the new K/V into the paged cache at the step's slots, then attends over each
 sequence's cached context through its block table: the Triton decode kernel when every row is
-a decode on the GPU, else the torch reference (mixed prefill/decode, and the CPU).
+a decode on the GPU, else the batched torch path (mixed prefill/decode, and the CPU): one masked SDPA
+over every sequence's gathered context, no Python loop over sequences.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 
-from stages.llm.paged_attention import decode_attention, paged_attention_reference, write_kv
+from stages.llm.paged_attention import (
+    BatchedLayout,
+    batched_layout,
+    decode_attention,
+    paged_attention_batched,
+    write_kv,
+)
 
 ATTN_IMPLEMENTATION = "mmserve_paged"
 
@@ -31,6 +38,10 @@ class PagedMetadata:
     block_tables: torch.Tensor  # [B, max_blocks]
     all_decode: bool  # every sequence feeds exactly one token
     slots_valid: bool = False  # no -1 slot: the KV write needs no filter (graph replay: padding uses a scratch slot)
+    max_query_len: int | None = None  # the longest chunk and context of the step, known on the host (no device sync)
+    max_context_len: int | None = None
+    layouts: dict[int | None, BatchedLayout] = field(default_factory=dict)  # per sliding window, built by the first
+    #                                                                      layer that needs it, shared by the rest
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -42,14 +53,20 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), meta.k_caches[layer], meta.v_caches[layer],
              meta.slot_mapping, all_valid=meta.slots_valid)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if meta.all_decode and sliding_window is None and softcap is None:
+    if meta.all_decode and sliding_window is None and softcap is None and q.is_cuda:  # the Triton decode kernel
         out = decode_attention(q, meta.k_caches[layer], meta.v_caches[layer], meta.block_tables, meta.context_lens,
                                scale)
     else:
-        out = paged_attention_reference(q, meta.k_caches[layer], meta.v_caches[layer],
-                                        query_start_loc=meta.query_start_loc, context_lens=meta.context_lens,
-                                        block_tables=meta.block_tables, scale=scale, sliding_window=sliding_window,
-                                        soft_cap=softcap)
+        layout = meta.layouts.get(sliding_window)
+        if layout is None:
+            layout = meta.layouts[sliding_window] = batched_layout(
+                q.shape[0], meta.k_caches[layer].shape[1], query_start_loc=meta.query_start_loc,
+                context_lens=meta.context_lens, block_tables=meta.block_tables, sliding_window=sliding_window,
+                max_query_len=meta.max_query_len, max_context_len=meta.max_context_len)
+        out = paged_attention_batched(q, meta.k_caches[layer], meta.v_caches[layer],
+                                      query_start_loc=meta.query_start_loc, context_lens=meta.context_lens,
+                                      block_tables=meta.block_tables, scale=scale, sliding_window=sliding_window,
+                                      soft_cap=softcap, layout=layout)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
 

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: the KV write, the torch reference and the decode dispatcher.
+"""Attention over the paged KV cache: the KV write, the torch reference, the batched torch path and the decode
+dispatcher.
 
 Cache layout, per layer: `k_cache`, `v_cache` are [num_blocks, block_size, num_kv_heads,
 head_dim]; token position p of a sequence lives in physical slot
@@ -16,6 +17,8 @@ Semantics shared by every implementation here (and by the Triton kernel):
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -147,6 +150,89 @@ def paged_attention_reference(
     return out
 
 
+@dataclass(frozen=True)
+class BatchedLayout:
+    """Where a packed batch's rows and contexts sit in the padded [B, q_max] x [B, ctx_max] problem; the same for
+    every layer of a step (one per sliding window), so it is built once per step."""
+
+    slots: torch.Tensor  # [B, ctx_max] physical cache slot of each key position (masked ones read a valid slot)
+    rows: torch.Tensor  # [B, q_max] packed query row of each padded query position
+    mask: torch.Tensor  # [B, 1, q_max, ctx_max] bool: the key is visible to the query
+    seen: torch.Tensor  # [B, q_max] bool: a real query row with a context (the rest come out as zeros)
+    dense: bool = False  # every sequence has q_max real rows and a context: no padding to drop (a decode step)
+
+
+def batched_layout(query_rows: int, block_size: int, *, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                   block_tables: torch.Tensor, sliding_window: int | None = None, max_query_len: int | None = None,
+                   max_context_len: int | None = None) -> BatchedLayout:
+    device = context_lens.device
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
+    q_max = max_query_len if max_query_len is not None else int(q_lens.max())
+    ctx_max = max(max_context_len if max_context_len is not None else int(context_lens.max()), 1)
+    # position p of sequence b: slot block_tables[b, p // bs] * bs + p % bs (past its table: a masked read)
+    key_pos = torch.arange(ctx_max, device=device)
+    columns = (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables[:, columns].long().clamp(min=0) * block_size + key_pos % block_size  # (-1: padding)
+    # row j of sequence b is packed row query_start_loc[b] + j, at position ctx_b - q_len_b + j
+    row = torch.arange(q_max, device=device)
+    rows = (query_start_loc[:-1, None] + row).clamp(max=max(query_rows - 1, 0))
+    valid_q = row[None, :] < q_lens[:, None]
+    query_pos = (context_lens - q_lens)[:, None] + row
+    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+    visible &= valid_q[:, :, None]
+    visible[:, :, 0] |= ~visible.any(-1)  # a row that sees nothing (padding) attends to key 0; zeroed below
+    seen = valid_q & (context_lens > 0)[:, None]
+    dense = q_max * len(context_lens) == query_rows and bool(seen.all())
+    return BatchedLayout(slots, rows, visible[:, None], seen, dense)
+
+
+def paged_attention_batched(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    *,
+    query_start_loc: torch.Tensor,  # [B + 1] cumulative query lengths
+    context_lens: torch.Tensor,  # [B] cached tokens incl. this step's
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    max_query_len: int | None = None,  # max(query lengths), when the caller knows it (saves a device sync)
+    max_context_len: int | None = None,  # max(context_lens), likewise
+    layout: BatchedLayout | None = None,  # built by the caller once per step (it must match the arguments)
+) -> torch.Tensor:  # [T, Hq, D], query dtype
+    """The reference's semantics in one batched call, no Python loop over sequences: every sequence's keys and
+    values are gathered through its block table into a padded [B, ctx_max] batch, the queries into [B, q_max],
+    and one masked scaled_dot_product_attention runs over all of them (GQA by the kernel's grouping). A soft
+    cap has no SDPA form: the same masked math is then spelled out. Padding rows (a graph bucket's, with
+    context 0) come out as zeros, as the reference's do."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if layout is None:
+        layout = batched_layout(query.shape[0], k_cache.shape[1], query_start_loc=query_start_loc,
+                                context_lens=context_lens, block_tables=block_tables, sliding_window=sliding_window,
+                                max_query_len=max_query_len, max_context_len=max_context_len)
+    k = k_cache.view(-1, num_kv_heads, head_dim)[layout.slots].transpose(1, 2)  # [B, Hkv, ctx_max, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[layout.slots].transpose(1, 2)
+    q = query[layout.rows].transpose(1, 2)  # [B, Hq, q_max, D]
+    if soft_cap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=layout.mask,
+                                                               scale=scale, enable_gqa=True)
+    else:
+        groups = q.shape[1] // num_kv_heads
+        k, v = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+        scores = q.float() @ k.transpose(-1, -2) * scale
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+        out = scores.masked_fill(~layout.mask, float("-inf")).softmax(-1) @ v
+    out = out.transpose(1, 2)  # [B, q_max, Hq, D]
+    if layout.dense:  # the packed rows are the padded ones in order
+        return out.reshape(query.shape).to(query.dtype)
+    result = torch.zeros_like(query)
+    result[layout.rows[layout.seen]] = out[layout.seen].to(query.dtype)
+    return result
+
+
 def paged_decode_torch(
     query: torch.Tensor,  # [B, Hq, D], one new token per sequence
     k_cache: torch.Tensor,
@@ -158,9 +244,9 @@ def paged_decode_torch(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Decode attention in torch: the reference with every sequence's q_len = 1."""
+    """Decode attention in torch: the batched path with every sequence's q_len = 1."""
     starts = torch.arange(query.shape[0] + 1, dtype=torch.long, device=query.device)
-    return paged_attention_reference(
+    return paged_attention_batched(
         query,
         k_cache,
         v_cache,
@@ -170,6 +256,7 @@ def paged_decode_torch(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        max_query_len=1,
     )
 
 
