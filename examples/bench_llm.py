@@ -1,23 +1,37 @@
 """Benchmark: the llm stage vs transformers generate(), side by side in one run.
 
-    python examples/bench_llm.py [--checkpoint DIR] [--requests 16] [--prompt 256] [--output 128]
+    python examples/bench_llm.py [--checkpoint DIR] [--requests 16] [--prompt 256] [--output 128] [--repeats 3]
 
-1. Output tokens/s of N concurrent requests through mmserve's engine, vs generate() called one
-   request at a time, and vs generate() on one left-padded batch of N (greedy, EOS ignored).
-2. Time to first token of a request whose long prefix (--prefix tokens) is in the prefix cache,
+1. Output tokens/s of N concurrent requests through mmserve's engine (in process), vs generate() called one
+   request at a time, and vs generate() on one batch of N (greedy, EOS ignored, equal lengths: no padding).
+2. The same through a real server: N concurrent POST /v1/completions with token-id prompts (--server-prompt,
+   --server-output new tokens, greedy, ignore_eos), HTTP and JSON included, vs the same two generate() sides.
+3. Time to first token of a request whose long prefix (--prefix tokens) is in the prefix cache,
    vs the same request on an empty cache.
 
-Without --checkpoint it builds the "small" demo Llama (random weights). Ratios are the result.
+Every side is warmed first; then --repeats rounds, each running every side once with the order rotated
+between rounds and fresh prompts per round (the same on every side, so the prefix cache saves nothing), after
+a quiet second (--quiet-wait). Every run is printed with the load average and the cores other processes used,
+then the medians. Without --checkpoint it builds the "small" demo Llama (random weights). Ratios are the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: pipelines/, serve/
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench_images import _free_port, _wait_ready, loadavg, measured  # noqa: E402
 
 
 def _prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -46,35 +60,107 @@ def _submit(engine, ids, max_tokens):
     return engine.submit_chat("bench", ChatRequest(prompt=list(ids), params=params))
 
 
-def throughput(checkpoint: str, args) -> dict[str, float]:
-    import torch
-    from transformers import AutoModelForCausalLM
+class Generate:
+    """The baseline: transformers' generate() on the same checkpoint, greedy, exactly `output` new tokens."""
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    prompts = _prompts(model.config.vocab_size, args.requests, args.prompt)
-    total = args.requests * args.output
+    def __init__(self, checkpoint: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+
+    def run(self, prompts: list[list[int]], output: int, batched: bool) -> None:
+        import torch
+
+        kwargs = dict(max_new_tokens=output, min_new_tokens=output, do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            if batched:  # equal lengths: no padding needed, the fairest batch for generate()
+                batch = torch.tensor(prompts)
+                self.model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
+            else:
+                for p in prompts:
+                    self.model.generate(torch.tensor([p]), **kwargs)
+
+
+def rounds(sides: dict, tokens: int, args) -> dict[str, float]:
+    """Each side once per round, the order rotated each round; prints every run; returns median tokens/s."""
+    names, results = list(sides), {name: [] for name in sides}
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        line = []
+        for name in order:
+            seconds, cpu, others = measured(lambda: sides[name](r), [os.getpid(), *args.pids], args)
+            results[name].append(tokens / seconds)
+            line.append(f"{name} {tokens / seconds:8.1f} tok/s (others {others:.2f} cores)")
+        print(f"  round {r + 1}/{args.repeats}: " + "   ".join(line) + f"   load {loadavg()}", flush=True)
+    return {name: statistics.median(v) for name, v in results.items()}
+
+
+def report(title: str, tps: dict[str, float], ours: str, args) -> None:
+    for base, target in (("generate one at a time", 3.0), (f"generate batch of {args.requests}", 1.2 if
+                                                            ours == "engine" else 1.0)):
+        print(f"{title}: output tokens/s  mmserve {tps[ours]:8.1f}   {base} {tps[base]:8.1f}   ratio "
+              f"{tps[ours] / tps[base]:.2f}x (median of {args.repeats}; target >= {target:g})")
+
+
+def throughput(checkpoint: str, ref: Generate, args) -> dict[str, float]:
+    vocab, n = ref.model.config.vocab_size, args.requests
+    fresh = lambda r: _prompts(vocab, n, args.prompt, seed=100 + r)  # noqa: E731
     engine = _engine(checkpoint, args)
     try:
-        _submit(engine, prompts[0][:16], 4).result()  # warm
-        t = time.perf_counter()
-        handles = [_submit(engine, p, args.output) for p in prompts]
-        outs = [h.result(timeout=3600) for h in handles]
-        ours = time.perf_counter() - t
-        assert sum(o["usage"]["completion_tokens"] for o in outs) == total
+        _submit(engine, fresh(-1)[0][:16], 4).result()  # warm
+        ref.run([fresh(-1)[0][:16]], 4, batched=False)
+
+        def ours(r):
+            outs = [h.result(timeout=3600) for h in [_submit(engine, p, args.output) for p in fresh(r)]]
+            assert sum(o["usage"]["completion_tokens"] for o in outs) == n * args.output
+
+        args.pids = []
+        return rounds({"engine": ours, "generate one at a time": lambda r: ref.run(fresh(r), args.output, False),
+                       f"generate batch of {n}": lambda r: ref.run(fresh(r), args.output, True)},
+                      n * args.output, args)
     finally:
         engine.shutdown()
-    kwargs = dict(max_new_tokens=args.output, min_new_tokens=args.output, do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm
-        t = time.perf_counter()
-        for p in prompts:
-            model.generate(torch.tensor([p]), **kwargs)
-        sequential = time.perf_counter() - t
-        batch = torch.tensor(prompts)  # equal lengths: no padding needed, the fairest batch for generate()
-        t = time.perf_counter()
-        model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
-        batched = time.perf_counter() - t
-    return {"ours": total / ours, "sequential": total / sequential, "batched": total / batched}
+
+
+async def _completions(base: str, prompts: list[list[int]], output: int) -> int:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        replies = await asyncio.gather(*(client.post(f"{base}/v1/completions", json={
+            "model": "bench", "prompt": p, "max_tokens": output, "temperature": 0, "ignore_eos": True})
+            for p in prompts))
+    bad = [(r.status_code, r.text[:200]) for r in replies if r.status_code != 200]
+    if bad:
+        raise RuntimeError(f"server answered {bad[:2]}")
+    return sum(r.json()["usage"]["completion_tokens"] for r in replies)
+
+
+def server(checkpoint: str, ref: Generate, args) -> dict[str, float]:
+    vocab, n = ref.model.config.vocab_size, args.requests
+    fresh = lambda r: _prompts(vocab, n, args.server_prompt, seed=200 + r)  # noqa: E731
+    port, tmp = _free_port(), Path(tempfile.mkdtemp())
+    config = tmp / "bench.toml"
+    config.write_text(f'[server]\ndata_dir = "{tmp / "data"}"\n[[models]]\nname = "bench"\npath = "{checkpoint}"\n'
+                      f'[models.llm]\nkv_cache_mb = 256\nmax_num_seqs = {max(n, 1)}\n')
+    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--config", str(config)],
+                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, proc)
+        asyncio.run(_completions(base, fresh(-1)[:1], 4))  # warm
+
+        def ours(r):
+            assert asyncio.run(_completions(base, fresh(r), args.server_output)) == n * args.server_output
+
+        args.pids = [proc.pid]
+        return rounds({"server": ours,
+                       "generate one at a time": lambda r: ref.run(fresh(r), args.server_output, False),
+                       f"generate batch of {n}": lambda r: ref.run(fresh(r), args.server_output, True)},
+                      n * args.server_output, args)
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def ttft(checkpoint: str, args) -> tuple[float, float]:
@@ -107,7 +193,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--server-prompt", type=int, default=200)
+    parser.add_argument("--server-output", type=int, default=96)
     parser.add_argument("--prefix", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quiet-wait", type=float, default=30.0,
+                        help="before each timed side, wait up to this long for a second in which other processes "
+                             "use under 0.3 cores (the machine is shared); 0: do not wait")
+    parser.add_argument("--skip-server", action="store_true", help="leave out the server comparison")
     args = parser.parse_args()
 
     from pipelines.demo import build_demo_model
@@ -116,12 +209,13 @@ def main() -> None:
                                                          Path.home() / f".cache/mmserve/bench/llama-{args.scale}",
                                                          scale=args.scale))
     print(f"checkpoint {checkpoint}; {args.requests} requests, prompt {args.prompt}, output {args.output}; "
-          f"{os.cpu_count()} CPUs")
-    tps = throughput(checkpoint, args)
-    print(f"output tokens/s  mmserve {tps['ours']:8.1f}   generate() one at a time {tps['sequential']:8.1f}   "
-          f"ratio {tps['ours'] / tps['sequential']:.2f}x (target >= 3)")
-    print(f"output tokens/s  mmserve {tps['ours']:8.1f}   generate() one batch of {args.requests} "
-          f"{tps['batched']:8.1f}   ratio {tps['ours'] / tps['batched']:.2f}x (target >= 1.2)")
+          f"{os.cpu_count()} CPUs, load {loadavg()}", flush=True)
+    ref = Generate(checkpoint)
+    report("engine", throughput(checkpoint, ref, args), "engine", args)
+    if not args.skip_server:
+        print(f"server: {args.requests} concurrent /v1/completions, token-id prompts of {args.server_prompt}, "
+              f"{args.server_output} new tokens", flush=True)
+        report("server", server(checkpoint, ref, args), "server", args)
     cached, uncached = ttft(checkpoint, args)
     print(f"TTFT with a {args.prefix}-token prefix cached {cached * 1000:8.1f} ms   "
           f"uncached {uncached * 1000:8.1f} ms   ratio {cached / uncached:.2f}x (target <= 0.3)")

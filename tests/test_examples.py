@@ -78,10 +78,12 @@ def test_llm_benchmark_script_prints_ratios(tmp_path):
 
     checkpoint = str(build_demo_model("llama", tmp_path / "llama"))
     run = subprocess.run([sys.executable, "examples/bench_llm.py", "--checkpoint", checkpoint, "--requests", "3",
-                          "--prompt", "16", "--output", "8", "--prefix", "64"],
+                          "--prompt", "16", "--output", "8", "--server-prompt", "16", "--server-output", "8",
+                          "--prefix", "64", "--repeats", "1", "--quiet-wait", "0"],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    assert len(re.findall(r"ratio \d+\.\d+x", run.stdout)) == 3, run.stdout
+    assert len(re.findall(r"ratio \d+\.\d+x", run.stdout)) == 5, run.stdout  # engine 2, server 2, TTFT
+    assert len(re.findall(r"round 1/1: ", run.stdout)) == 2, run.stdout  # every run is printed
 
 def test_video_benchmark_script_prints_ratios(tmp_path):
     from pipelines.demo import build_demo_model
