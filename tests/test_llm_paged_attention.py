@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from stages.llm.paged_attention import (
     decode_attention,
+    batched_layouts,
     paged_attention_batched,
     paged_attention_reference,
     paged_decode_torch,
@@ -135,6 +136,19 @@ def test_batched_path_matches_dense(heads, options):
                                           ((5, 17, 32, 40), (1, 1, 1, 1))]):
         layout = make_layout(list(ctx), 4, num_kv_heads, 16, seed, pad=-1 if seed else 0)
         check_reference(layout, list(q_lens), num_heads, seed, attention=paged_attention_batched, **options)
+
+
+def test_a_mixed_step_keeps_decodes_apart_from_prefill_chunks():
+    """A long chunk does not pad the decode rows to its length: decodes and chunks are laid out separately."""
+    ctx, q_lens = zip(*MIXED)  # three decodes, two chunks (13 and 6 rows)
+    layout = make_layout(list(ctx), 4, 2, 16, seed=5)
+    starts = torch.tensor([0, *q_lens]).cumsum(0)
+    layouts = batched_layouts(sum(q_lens), 4, query_start_loc=starts, context_lens=layout.context_lens,
+                              block_tables=layout.block_tables)
+    assert [tuple(g.rows.shape) for g in layouts] == [(3, 1), (2, 13)]
+    decode_only = batched_layouts(3, 4, query_start_loc=torch.arange(4), context_lens=torch.tensor([1, 9, 33]),
+                                  block_tables=layout.block_tables[:3], max_query_len=1)
+    assert len(decode_only) == 1 and decode_only[0].whole
 
 
 def test_batched_path_zeroes_padding_rows_as_the_reference():

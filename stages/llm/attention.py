@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 
 from stages.llm.paged_attention import (
     BatchedLayout,
-    batched_layout,
+    batched_layouts,
     decode_attention,
     paged_attention_batched,
     write_kv,
@@ -38,10 +38,9 @@ class PagedMetadata:
     block_tables: torch.Tensor  # [B, max_blocks]
     all_decode: bool  # every sequence feeds exactly one token
     slots_valid: bool = False  # no -1 slot: the KV write needs no filter (graph replay: padding uses a scratch slot)
-    max_query_len: int | None = None  # the longest chunk and context of the step, known on the host (no device sync)
-    max_context_len: int | None = None
-    layouts: dict[int | None, BatchedLayout] = field(default_factory=dict)  # per sliding window, built by the first
-    #                                                                      layer that needs it, shared by the rest
+    max_query_len: int | None = None  # the longest chunk of the step, known on the host (1: every row decodes)
+    # per sliding window: built by the first layer that needs them, shared by the rest
+    layouts: dict[int | None, tuple[BatchedLayout, ...]] = field(default_factory=dict)
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -57,16 +56,16 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         out = decode_attention(q, meta.k_caches[layer], meta.v_caches[layer], meta.block_tables, meta.context_lens,
                                scale)
     else:
-        layout = meta.layouts.get(sliding_window)
-        if layout is None:
-            layout = meta.layouts[sliding_window] = batched_layout(
+        layouts = meta.layouts.get(sliding_window)
+        if layouts is None:
+            layouts = meta.layouts[sliding_window] = batched_layouts(
                 q.shape[0], meta.k_caches[layer].shape[1], query_start_loc=meta.query_start_loc,
                 context_lens=meta.context_lens, block_tables=meta.block_tables, sliding_window=sliding_window,
-                max_query_len=meta.max_query_len, max_context_len=meta.max_context_len)
+                max_query_len=meta.max_query_len)
         out = paged_attention_batched(q, meta.k_caches[layer], meta.v_caches[layer],
                                       query_start_loc=meta.query_start_loc, context_lens=meta.context_lens,
                                       block_tables=meta.block_tables, scale=scale, sliding_window=sliding_window,
-                                      soft_cap=softcap, layout=layout)
+                                      soft_cap=softcap, layouts=layouts)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
 

@@ -152,30 +152,45 @@ def paged_attention_reference(
 
 @dataclass(frozen=True)
 class BatchedLayout:
-    """Where a packed batch's rows and contexts sit in the padded [B, q_max] x [B, ctx_max] problem; the same for
-    every layer of a step (one per sliding window), so it is built once per step."""
+    """Where some sequences' rows and contexts sit in a padded [B, q_max] x [B, ctx_max] problem. A step's
+    layouts are the same for every layer (one set per sliding window), so they are built once per step."""
 
-    slots: torch.Tensor  # [B, ctx_max] physical cache slot of each key position (masked ones read a valid slot)
+    blocks: torch.Tensor  # [B * n] the first n blocks of every table (key positions 0 .. n * block_size - 1)
+    num_blocks: int  # n = ceil(ctx_max / block_size); positions past a context read a valid block and are masked
     rows: torch.Tensor  # [B, q_max] packed query row of each padded query position
-    mask: torch.Tensor  # [B, 1, q_max, ctx_max] bool: the key is visible to the query
+    mask: torch.Tensor  # [B, 1, q_max, n * block_size] bool: the key is visible to the query
     seen: torch.Tensor  # [B, q_max] bool: a real query row with a context (the rest come out as zeros)
-    dense: bool = False  # every sequence has q_max real rows and a context: no padding to drop (a decode step)
+    whole: bool = False  # it covers every packed row, in order, with no padding (a decode step): no scatter
 
 
-def batched_layout(query_rows: int, block_size: int, *, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                   block_tables: torch.Tensor, sliding_window: int | None = None, max_query_len: int | None = None,
-                   max_context_len: int | None = None) -> BatchedLayout:
-    device = context_lens.device
+def batched_layouts(query_rows: int, block_size: int, *, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                    block_tables: torch.Tensor, sliding_window: int | None = None,
+                    max_query_len: int | None = None) -> tuple[BatchedLayout, ...]:
+    """The step's layouts: one, or two when decodes (one row each) and prefill chunks are mixed, so a long chunk
+    does not pad every decode row to its length."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
-    q_max = max_query_len if max_query_len is not None else int(q_lens.max())
-    ctx_max = max(max_context_len if max_context_len is not None else int(context_lens.max()), 1)
-    # position p of sequence b: slot block_tables[b, p // bs] * bs + p % bs (past its table: a masked read)
-    key_pos = torch.arange(ctx_max, device=device)
-    columns = (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
-    slots = block_tables[:, columns].long().clamp(min=0) * block_size + key_pos % block_size  # (-1: padding)
-    # row j of sequence b is packed row query_start_loc[b] + j, at position ctx_b - q_len_b + j
+    groups: list[torch.Tensor | None] = [None]  # None: every sequence
+    if max_query_len != 1:
+        single = q_lens <= 1
+        if bool(single.any()) and not bool(single.all()):
+            groups = [single.nonzero()[:, 0], (~single).nonzero()[:, 0]]
+    return tuple(_layout(query_rows, block_size, query_start_loc[:-1], q_lens, context_lens, block_tables,
+                         sliding_window, seqs) for seqs in groups)
+
+
+def _layout(query_rows: int, block_size: int, starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor,
+            block_tables: torch.Tensor, sliding_window: int | None, seqs: torch.Tensor | None) -> BatchedLayout:
+    if seqs is not None:
+        starts, q_lens, context_lens, block_tables = starts[seqs], q_lens[seqs], context_lens[seqs], block_tables[seqs]
+    device = context_lens.device
+    q_max, ctx_max = int(q_lens.max()), max(int(context_lens.max()), 1)
+    # whole blocks are gathered: position p of sequence b is row p of its first n blocks laid end to end
+    n = -(-ctx_max // block_size)
+    blocks = block_tables[:, :n].long().clamp(min=0).reshape(-1)  # (-1 pads a table: a masked read of block 0)
+    key_pos = torch.arange(n * block_size, device=device)
+    # row j of sequence b is packed row starts[b] + j, at position ctx_b - q_len_b + j
     row = torch.arange(q_max, device=device)
-    rows = (query_start_loc[:-1, None] + row).clamp(max=max(query_rows - 1, 0))
+    rows = (starts[:, None] + row).clamp(max=max(query_rows - 1, 0))
     valid_q = row[None, :] < q_lens[:, None]
     query_pos = (context_lens - q_lens)[:, None] + row
     visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
@@ -184,8 +199,8 @@ def batched_layout(query_rows: int, block_size: int, *, query_start_loc: torch.T
     visible &= valid_q[:, :, None]
     visible[:, :, 0] |= ~visible.any(-1)  # a row that sees nothing (padding) attends to key 0; zeroed below
     seen = valid_q & (context_lens > 0)[:, None]
-    dense = q_max * len(context_lens) == query_rows and bool(seen.all())
-    return BatchedLayout(slots, rows, visible[:, None], seen, dense)
+    whole = seqs is None and q_max * len(context_lens) == query_rows and bool(seen.all())
+    return BatchedLayout(blocks, n, rows, visible[:, None], seen, whole)
 
 
 def paged_attention_batched(
@@ -199,38 +214,44 @@ def paged_attention_batched(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    max_query_len: int | None = None,  # max(query lengths), when the caller knows it (saves a device sync)
-    max_context_len: int | None = None,  # max(context_lens), likewise
-    layout: BatchedLayout | None = None,  # built by the caller once per step (it must match the arguments)
+    max_query_len: int | None = None,  # max(query lengths), when the caller knows it (1: a decode step)
+    layouts: tuple[BatchedLayout, ...] | None = None,  # built by the caller once per step (matching the arguments)
 ) -> torch.Tensor:  # [T, Hq, D], query dtype
-    """The reference's semantics in one batched call, no Python loop over sequences: every sequence's keys and
-    values are gathered through its block table into a padded [B, ctx_max] batch, the queries into [B, q_max],
-    and one masked scaled_dot_product_attention runs over all of them (GQA by the kernel's grouping). A soft
-    cap has no SDPA form: the same masked math is then spelled out. Padding rows (a graph bucket's, with
-    context 0) come out as zeros, as the reference's do."""
+    """The reference's semantics without a Python loop over sequences: every sequence's keys and values are
+    gathered, whole blocks through its block table, into a padded [B, ctx_max] batch, the queries into
+    [B, q_max], and one masked scaled_dot_product_attention runs over all of them (GQA by the kernel's grouping;
+    decodes and prefill chunks of a mixed step are two such calls). A soft cap has no SDPA form: the same masked
+    math is then spelled out. Padding rows (a graph bucket's, with context 0) come out as zeros, as the
+    reference's do."""
+    if layouts is None:
+        layouts = batched_layouts(query.shape[0], k_cache.shape[1], query_start_loc=query_start_loc,
+                                  context_lens=context_lens, block_tables=block_tables, sliding_window=sliding_window,
+                                  max_query_len=max_query_len)
+    if len(layouts) == 1 and layouts[0].whole:  # the padded rows are the packed ones, in order
+        return _attend(query, k_cache, v_cache, layouts[0], scale, soft_cap).reshape(query.shape).to(query.dtype)
+    result = torch.zeros_like(query)
+    for layout in layouts:
+        out = _attend(query, k_cache, v_cache, layout, scale, soft_cap)
+        result[layout.rows[layout.seen]] = out[layout.seen].to(query.dtype)
+    return result
+
+
+def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchedLayout, scale: float,
+            soft_cap: float | None) -> torch.Tensor:  # [B, q_max, Hq, D] float32
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if layout is None:
-        layout = batched_layout(query.shape[0], k_cache.shape[1], query_start_loc=query_start_loc,
-                                context_lens=context_lens, block_tables=block_tables, sliding_window=sliding_window,
-                                max_query_len=max_query_len, max_context_len=max_context_len)
-    k = k_cache.view(-1, num_kv_heads, head_dim)[layout.slots].transpose(1, 2)  # [B, Hkv, ctx_max, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[layout.slots].transpose(1, 2)
-    q = query[layout.rows].transpose(1, 2)  # [B, Hq, q_max, D]
+    shape = (layout.rows.shape[0], layout.num_blocks * k_cache.shape[1], num_kv_heads, head_dim)
+    k = k_cache.index_select(0, layout.blocks).view(shape).transpose(1, 2).float()  # [B, Hkv, n * bs, D]
+    v = v_cache.index_select(0, layout.blocks).view(shape).transpose(1, 2).float()
+    q = query[layout.rows].transpose(1, 2).float()  # [B, Hq, q_max, D]
     if soft_cap is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=layout.mask,
-                                                               scale=scale, enable_gqa=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scale,
+                                                               enable_gqa=True)
     else:
         groups = q.shape[1] // num_kv_heads
-        k, v = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
-        scores = q.float() @ k.transpose(-1, -2) * scale
-        scores = soft_cap * torch.tanh(scores / soft_cap)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = soft_cap * torch.tanh(q @ k.transpose(-1, -2) * scale / soft_cap)
         out = scores.masked_fill(~layout.mask, float("-inf")).softmax(-1) @ v
-    out = out.transpose(1, 2)  # [B, q_max, Hq, D]
-    if layout.dense:  # the packed rows are the padded ones in order
-        return out.reshape(query.shape).to(query.dtype)
-    result = torch.zeros_like(query)
-    result[layout.rows[layout.seen]] = out[layout.seen].to(query.dtype)
-    return result
+    return out.transpose(1, 2)
 
 
 def paged_decode_torch(

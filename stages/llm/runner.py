@@ -101,7 +101,7 @@ class ModelRunner:
             query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(dev),
             context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=dev),
             block_tables=tables.to(dev), all_decode=bool((lengths == 1).all()),
-            max_query_len=max(len(c.token_ids) for c in chunks), max_context_len=max(c.context_len for c in chunks))
+            max_query_len=max(len(c.token_ids) for c in chunks))
         inputs = {"input_ids": input_ids[None]}
         if any(c.seq.media for c in chunks):  # embed, then splice each chunk's slice of its media features
             embeds = self.model.get_input_embeddings()(input_ids)  # [T, H]
