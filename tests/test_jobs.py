@@ -256,6 +256,31 @@ def test_video_lifecycle_with_fake_engine(tmp_path):
         assert deleted["deleted"] is True and client.get(f"/v1/videos/{job['id']}").status_code == 404
 
 
+def test_polled_video_replies_are_the_bytes_fastapi_would_render(tmp_path):
+    from fastapi.encoders import jsonable_encoder
+
+    from serve.routes.videos import video_object
+
+    engine = FakeEngine(step_s=0.0)
+    with TestClient(_app(engine, tmp_path)) as client:
+        ids = [client.post("/v1/videos", json={"prompt": f"p{i}", "seed": i}).json()["id"] for i in range(3)]
+        bad = client.post("/v1/videos", json={"prompt": "x", "num_frames": 6})  # a 400, not a job
+        assert bad.status_code == 400
+        for video_id in ids:
+            _wait(client, video_id)
+        store = client.app.state.job_store
+        jobs = store.list_jobs("video", "default", limit=3)
+        listed = client.get("/v1/videos", params={"limit": 2})
+        data = [video_object(j) for j in jobs[:2]]
+        expected = {"object": "list", "data": data, "first_id": data[0]["id"], "last_id": data[1]["id"],
+                    "has_more": True}
+        assert listed.headers["content-type"] == "application/json"
+        assert listed.content == JSONResponse(jsonable_encoder(expected)).body  # as a returned dict rendered
+        one = client.get(f"/v1/videos/{ids[0]}")
+        assert one.content == JSONResponse(jsonable_encoder(video_object(store.get_job(ids[0])))).body
+        assert client.get("/v1/videos", params={"limit": 0}).status_code == 400  # the query checks still run
+
+
 def test_video_seconds_come_from_the_frames_and_the_models_fps(tmp_path):
     engine = FakeEngine()
     with TestClient(_app(engine, tmp_path)) as client:

@@ -13,6 +13,7 @@ import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -104,18 +105,21 @@ async def create_video(request: Request, tenant: str = Depends(tenant_of)):
     return video_object(job)
 
 
+# The polled replies are rendered as they are: video_object() holds JSON types only, so FastAPI's jsonable_encoder
+# walk would return them unchanged, and it cost ~0.5 ms of a 17-job list's 1.2 ms (a client polls it while its
+# videos run, and the server's CPU time is theirs).
 @router.get("/v1/videos")
 async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
                       tenant: str = Depends(tenant_of)):
     jobs = request.app.state.job_store.list_jobs("video", tenant, limit=limit + 1, after=after)
     data = [video_object(j) for j in jobs[:limit]]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
+    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit})
 
 
 @router.get("/v1/videos/{video_id}")
 async def get_video(video_id: str, request: Request, tenant: str = Depends(tenant_of)):
-    return video_object(_job(request, video_id, tenant))
+    return JSONResponse(video_object(_job(request, video_id, tenant)))
 
 
 @router.get("/v1/videos/{video_id}/content")
