@@ -85,6 +85,13 @@ DEFAULT_POOLS = {
 # a call decodes slower per image (measured with examples/bench_images.py's checkpoint: 4 images at 256x256 cost 8 %
 # more each than 1 or 2; at 128x128, 2 are the fastest).
 CPU_POOLS = {"vae_decode": PoolConfig(max_batch_size=2, max_delay_ms=2.0, max_queue=256)}
+# A video model's VAE decode on a CPU: two replicas, each a team of half the cores, so two batches decode side by
+# side. Wan's VAE decodes a latent one frame at a time (causal 3D convolutions with a feature cache), ops too small to
+# keep one team of every core busy. Measured with examples/bench_video.py's Wan checkpoint on 2 cores (4 concurrent
+# jobs through the server, A/B alternating): 64x64 px x 17 frames 0.956 -> 0.820 s, 128x128 px x 33 frames 3.59 ->
+# 2.95 s (LTX's VAE was not measured). Not for images: the same pool made SD's (examples/bench_images.py's checkpoint,
+# 8 concurrent requests) 21 % slower at 128 px and 27 % at 256 px.
+CPU_VIDEO_POOLS = {"vae_decode": PoolConfig(replicas=2, max_batch_size=2, max_delay_ms=2.0, max_queue=256)}
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from encoders.cache import EncoderCache
 from pipelines.asr import ASR_FAMILY, ASR_POOL, TranscriptionModel, TranscriptionRequest
 from pipelines.chat import ChatModel, ChatRequest, LanguageModel
 from pipelines.chat_parts import ParsedChat
-from pipelines.config import MediaConfig, ModelSpec
+from pipelines.config import CPU_VIDEO_POOLS, MediaConfig, ModelSpec
 from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
@@ -124,6 +124,7 @@ class ServedDiffusion:
                                                 prompt_cache=ctx.prompt_cache, **options)
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
+        self.device = spec.device
         self.media, self.media_pool, self.decode_limits = ctx.media, ctx.media_pool, ctx.media_config.image
         tasks = _realtime_video(family_name, family.tasks)
         if isinstance(family, VideoFamily):
@@ -135,9 +136,11 @@ class ServedDiffusion:
                                   random_weights=random_weights)
 
     def stages(self):
+        video = isinstance(self.model, VideoFamily)
+        vae_pool = CPU_VIDEO_POOLS["vae_decode"] if video and self.device == "cpu" else None
         stages = (("text_encode", TextEncodeStage(self.model), None), ("denoise", DenoiseStage(self.model), None),
-                  ("vae_decode", VaeDecodeStage(self.model), None))
-        if isinstance(self.model, VideoFamily):  # videos are encoded by their job (serve/job_runner.py)
+                  ("vae_decode", VaeDecodeStage(self.model), vae_pool))
+        if video:  # videos are encoded by their job (serve/job_runner.py)
             return stages
         media = self.media_pool
         decode = MediaDecodeStage(self.name, self.media, decode_images(self.decode_limits), self.finalize)

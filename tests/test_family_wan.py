@@ -1,5 +1,6 @@
 """Wan 2.1/2.2 through the engine: equal to diffusers' WanPipeline / WanImageToVideoPipeline, batched, encodable."""
 
+import dataclasses
 import io
 import time
 
@@ -14,6 +15,7 @@ from pipelines.image_request import RequestError
 from pipelines.video import VideoRequest
 from stages.events import EventKind
 from stages.media.video import encode_video
+from stages.pool import PoolConfig
 from tests.helpers import noise_image, running_engine, seeded
 
 SIZE, FRAMES = 32, 9  # 32 x 32 px, 9 frames -> 16 x 3 x 4 x 4 latents
@@ -107,6 +109,17 @@ def test_concurrent_requests_share_forwards_and_equal_solo(engine, paths):
         assert batching.metrics.stage.max_batch_size("m/denoise", "m") > 1
     for got, want in zip(batched, solo):
         np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_a_cpu_video_model_decodes_two_batches_side_by_side(engine, paths):
+    from pipelines.config import CPU_VIDEO_POOLS
+
+    config = engine.executor.pools["m/vae_decode"].config  # pipelines.config.CPU_VIDEO_POOLS
+    assert (config.replicas, config.max_batch_size, config.device) == (2, 2, "cpu")
+    assert config == dataclasses.replace(CPU_VIDEO_POOLS["vae_decode"], device="cpu")
+    with running_engine(paths["t2v"], pools={"vae_decode": PoolConfig(max_batch_size=3)}) as mine:
+        configured = mine.executor.pools["m/vae_decode"].config  # a configured pool wins
+        assert (configured.replicas, configured.max_batch_size) == (1, 3)
 
 
 def test_progress_events_count_the_steps(engine):

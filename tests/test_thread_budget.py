@@ -236,6 +236,12 @@ def test_cpu_models_decode_at_most_two_images_per_vae_call():
     assert mine.pool("vae_decode").max_batch_size == 8
 
 
+def test_an_image_model_on_a_cpu_keeps_one_vae_decode_replica(sd_path):
+    with running_engine(sd_path) as eng:  # only video models get two (pipelines.config.CPU_VIDEO_POOLS)
+        config = eng.executor.pools["m/vae_decode"].config
+        assert (config.replicas, config.max_batch_size) == (1, 2)
+
+
 def test_the_stage_workers_of_a_served_model_use_their_pools_threads(sd_path):
     pools = {"denoise": PoolConfig(threads=1), "vae_decode": PoolConfig(threads=2)}
     with running_engine(sd_path, pools=pools) as eng:
