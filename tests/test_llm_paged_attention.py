@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from stages.llm.paged_attention import (
-    decode_attention,
     batched_layouts,
+    decode_attention,
     paged_attention_batched,
     paged_attention_reference,
     paged_decode_torch,
