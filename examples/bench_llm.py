@@ -60,25 +60,47 @@ def _submit(engine, ids, max_tokens):
     return engine.submit_chat("bench", ChatRequest(prompt=list(ids), params=params))
 
 
-class Generate:
-    """The baseline: transformers' generate() on the same checkpoint, greedy, exactly `output` new tokens."""
+def _generate_child(checkpoint: str, conn) -> None:
+    """The baseline's process: the model, then generate() for every (prompts, output, batched) it is sent."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    def __init__(self, checkpoint: str):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-
-    def run(self, prompts: list[list[int]], output: int, batched: bool) -> None:
-        import torch
-
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    conn.send(model.config.vocab_size)
+    while (job := conn.recv()) is not None:
+        prompts, output, batched = job
         kwargs = dict(max_new_tokens=output, min_new_tokens=output, do_sample=False, pad_token_id=0)
         with torch.inference_mode():
             if batched:  # equal lengths: no padding needed, the fairest batch for generate()
                 batch = torch.tensor(prompts)
-                self.model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
+                model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
             else:
                 for p in prompts:
-                    self.model.generate(torch.tensor([p]), **kwargs)
+                    model.generate(torch.tensor([p]), **kwargs)
+        conn.send(True)
+
+
+class Generate:
+    """The baseline: transformers' generate() on the same checkpoint, greedy, exactly `output` new tokens, in a
+    process of its own. In the engine's process its OpenMP team would sit beside the stage worker's, and libgomp
+    stops spinning once it manages more threads than cores: both sides would run slower than they can."""
+
+    def __init__(self, checkpoint: str):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_generate_child, args=(checkpoint, child), daemon=True)
+        self.process.start()
+        self.vocab_size = self._conn.recv()
+
+    def run(self, prompts: list[list[int]], output: int, batched: bool) -> None:
+        self._conn.send((prompts, output, batched))
+        self._conn.recv()
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self.process.join(30)
 
 
 def rounds(sides: dict, tokens: int, args) -> dict[str, float]:
@@ -103,7 +125,7 @@ def report(title: str, tps: dict[str, float], ours: str, args) -> None:
 
 
 def throughput(checkpoint: str, ref: Generate, args) -> dict[str, float]:
-    vocab, n = ref.model.config.vocab_size, args.requests
+    vocab, n = ref.vocab_size, args.requests
     fresh = lambda r: _prompts(vocab, n, args.prompt, seed=100 + r)  # noqa: E731
     engine = _engine(checkpoint, args)
     try:
@@ -114,7 +136,7 @@ def throughput(checkpoint: str, ref: Generate, args) -> dict[str, float]:
             outs = [h.result(timeout=3600) for h in [_submit(engine, p, args.output) for p in fresh(r)]]
             assert sum(o["usage"]["completion_tokens"] for o in outs) == n * args.output
 
-        args.pids = []
+        args.pids = [ref.process.pid]
         return rounds({"engine": ours, "generate one at a time": lambda r: ref.run(fresh(r), args.output, False),
                        f"generate batch of {n}": lambda r: ref.run(fresh(r), args.output, True)},
                       n * args.output, args)
@@ -136,7 +158,7 @@ async def _completions(base: str, prompts: list[list[int]], output: int) -> int:
 
 
 def server(checkpoint: str, ref: Generate, args) -> dict[str, float]:
-    vocab, n = ref.model.config.vocab_size, args.requests
+    vocab, n = ref.vocab_size, args.requests
     fresh = lambda r: _prompts(vocab, n, args.server_prompt, seed=200 + r)  # noqa: E731
     port, tmp = _free_port(), Path(tempfile.mkdtemp())
     config = tmp / "bench.toml"
@@ -153,7 +175,7 @@ def server(checkpoint: str, ref: Generate, args) -> dict[str, float]:
         def ours(r):
             assert asyncio.run(_completions(base, fresh(r), args.server_output)) == n * args.server_output
 
-        args.pids = [proc.pid]
+        args.pids = [proc.pid, ref.process.pid]
         return rounds({"server": ours,
                        "generate one at a time": lambda r: ref.run(fresh(r), args.server_output, False),
                        f"generate batch of {n}": lambda r: ref.run(fresh(r), args.server_output, True)},
@@ -211,11 +233,14 @@ def main() -> None:
     print(f"checkpoint {checkpoint}; {args.requests} requests, prompt {args.prompt}, output {args.output}; "
           f"{os.cpu_count()} CPUs, load {loadavg()}", flush=True)
     ref = Generate(checkpoint)
-    report("engine", throughput(checkpoint, ref, args), "engine", args)
-    if not args.skip_server:
-        print(f"server: {args.requests} concurrent /v1/completions, token-id prompts of {args.server_prompt}, "
-              f"{args.server_output} new tokens", flush=True)
-        report("server", server(checkpoint, ref, args), "server", args)
+    try:
+        report("engine", throughput(checkpoint, ref, args), "engine", args)
+        if not args.skip_server:
+            print(f"server: {args.requests} concurrent /v1/completions, token-id prompts of {args.server_prompt}, "
+                  f"{args.server_output} new tokens", flush=True)
+            report("server", server(checkpoint, ref, args), "server", args)
+    finally:
+        ref.close()
     cached, uncached = ttft(checkpoint, args)
     print(f"TTFT with a {args.prefix}-token prefix cached {cached * 1000:8.1f} ms   "
           f"uncached {uncached * 1000:8.1f} ms   ratio {cached / uncached:.2f}x (target <= 0.3)")

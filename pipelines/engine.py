@@ -45,7 +45,7 @@ from stages.executor import GraphExecutor
 from stages.media.stage import MEDIA_STATUS
 from stages.metrics import Metrics
 from stages.request_state import RequestHandle, settled
-from stages.thread_budget import ThreadBudget
+from stages.thread_budget import ThreadBudget, one_thread
 
 if TYPE_CHECKING:
     from stages.media.pool import MediaPool
@@ -79,8 +79,9 @@ class Engine:
         """Load every model, start the pools, warm each model with one tiny request; then ready."""
         self.executor.start()
         try:
-            for spec in self.config.models:
-                self._load(spec)
+            with one_thread():  # no OpenMP team of this thread beside the stage workers' (thread_budget.one_thread)
+                for spec in self.config.models:
+                    self._load(spec)
             for served in self._served.values():
                 served.warm(self)
             for voice in self.config.voices:
