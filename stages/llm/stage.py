@@ -67,6 +67,8 @@ class LLMStage(LoopStage):
         self.scheduler = Scheduler(self.blocks, scheduler)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.metrics = metrics
+        self._ttft = metrics.llm.ttft.labels(model=model)  # per-row series, looked up once (the step is hot)
+        self._itl = metrics.llm.itl.labels(model=model)
         self._ids = itertools.count()
         self._owner: dict[int, WorkItem] = {}  # seq id -> its request's item
 
@@ -154,9 +156,9 @@ class LLMStage(LoopStage):
                 continue
             if item.state["first"] is None:
                 item.state["first"] = now
-                self.metrics.llm.ttft.labels(model=self.model).observe(now - item.state["started"])
+                self._ttft.observe(now - item.state["started"])
             elif item.state["last"] != now:
-                self.metrics.llm.itl.labels(model=self.model).observe(now - item.state["last"])
+                self._itl.observe(now - item.state["last"])
             item.state["last"] = now
             self._append(item, seq, out.token_ids[r], out.logprobs[r], out.top_logprobs[r])
         self.metrics.llm.tokens.labels(model=self.model).inc(len(rows))
