@@ -175,7 +175,7 @@ class Engine:
         "text" (on a phrase's first chunk)} in phrase order; FINAL as `turn_graph` says.
         """
         spec = self.voice_model(voice)
-        inputs = self._served_as(spec.chat, ServedChat).execution(request.chat).inputs  # the prompt, checked
+        inputs = {"request": self.chat_model(spec.chat).generation_request(request.chat)}  # the prompt, checked
         speaker = None if request.speech is None else self.speech_model(spec.tts)
         graph = turn_graph(spec.chat, spec.tts, request.speech, speaker)
         return self.run(spec.chat, Execution(graph, inputs), fence=fence)

@@ -204,8 +204,8 @@ class GraphExecutor:
             error = StageError("deadline_exceeded", "the request passed its deadline", status=504)
         if error is None and state.fenced() and not state.closed:
             error = StageError("cancelled", "the request's session moved on (its epoch passed)", status=499)
-        if error is not None and state.fail(error):
-            self.metrics.stage.graph_requests.labels(model=state.model, outcome=error.code).inc()
+        if error is not None:
+            self._fail(state, error)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
