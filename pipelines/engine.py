@@ -20,7 +20,7 @@ from pipelines.config import EngineConfig, ModelSpec, VoiceSpec
 from pipelines.embeddings import EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
-from pipelines.image_request import ImageRequest, RequestError
+from pipelines.image_request import ImageRequest, ModelNotFound, RequestError
 from pipelines.registry import detect_family, served_class
 from pipelines.served import (
     REALTIME_VIDEO_TASK,
@@ -42,7 +42,6 @@ from pipelines.video import VideoRequest
 from pipelines.vlm import VLMChatModel
 from pipelines.voice_turn import VoiceTurnRequest, turn_graph
 from stages.executor import GraphExecutor
-from stages.media.stage import MEDIA_STATUS
 from stages.metrics import Metrics
 from stages.request_state import RequestHandle, settled
 from stages.thread_budget import ThreadBudget, one_thread
@@ -156,15 +155,15 @@ class Engine:
         """The served model of one kind, or a 404 naming the models of that kind."""
         served = self._served.get(model)
         if not isinstance(served, kind):
-            raise RequestError("model", f"model {model!r} does not exist or does not {kind.does}; {kind.kinds}: "
-                                        f"{sorted(self._of_kind(kind))}", code="model_not_found", status=404)
+            raise ModelNotFound(f"model {model!r} does not exist or does not {kind.does}; {kind.kinds}: "
+                                f"{sorted(self._of_kind(kind))}")
         return served
 
     def voice_model(self, model: str) -> VoiceSpec:
         voice = self._voices.get(model)
         if voice is None:
-            raise RequestError("model", f"model {model!r} does not exist or does not serve realtime voice sessions; "
-                                        f"voice models: {sorted(self._voices)}", code="model_not_found", status=404)
+            raise ModelNotFound(f"model {model!r} does not exist or does not serve realtime voice sessions; "
+                                f"voice models: {sorted(self._voices)}")
         return voice
 
     def submit_voice_turn(self, voice: str, request: VoiceTurnRequest, *, fence=None) -> RequestHandle:
@@ -217,8 +216,7 @@ class Engine:
         served = self._served.get(model)
         if not isinstance(served, ServedDiffusion):
             families = sorted(self._of_kind(ServedDiffusion))
-            raise RequestError("model", f"model {model!r} does not exist; available: {families}",
-                               code="model_not_found", status=404)
+            raise ModelNotFound(f"model {model!r} does not exist; available: {families}")
         return served.model
 
     def check_image(self, model: str, request: ImageRequest) -> None:
@@ -315,7 +313,7 @@ class Engine:
         try:
             decoded = self.media().run("decode_image", data, self.config.media.image, mode=mode)
         except MediaError as exc:
-            raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
+            raise RequestError(param, exc.message, code=exc.code, kind=exc.kind) from exc
         return decoded.to_pil()
 
     async def run_media(self, fn_name: str, *args, param: str, **kwargs):
@@ -324,7 +322,7 @@ class Engine:
         try:
             return await asyncio.wrap_future(self.media().submit(fn_name, *args, **kwargs))
         except MediaError as exc:
-            raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
+            raise RequestError(param, exc.message, code=exc.code, kind=exc.kind) from exc
 
     async def load_source(self, source: str, *, param: str) -> bytes:
         """The bytes of a `data:` URI, an http(s) URL or an allowed file:// path, fetched safely."""
@@ -333,7 +331,7 @@ class Engine:
         try:
             return await load_source(source, self.config.media.fetch, observe=self._fetch_event)
         except MediaError as exc:
-            raise RequestError(param, exc.message, code=exc.code, status=MEDIA_STATUS.get(exc.code, 400)) from exc
+            raise RequestError(param, exc.message, code=exc.code, kind=exc.kind) from exc
 
     def _fetch_event(self, outcome) -> None:
         self.metrics.media.fetches.labels(kind=outcome.kind, outcome=outcome.error_code or "ok").inc()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stages.diffusion.step_cache import StepCacheParams
-from stages.events import StageError
+from stages.events import ErrorKind, StageError
 
 if TYPE_CHECKING:
     from stages.media.stage import DecodeImages, EncodeImages
@@ -22,8 +22,15 @@ class Task(str, enum.Enum):
 class RequestError(StageError):
     """Bad input, found before any model work: a 4xx naming the field and the limit."""
 
-    def __init__(self, param: str, message: str, *, code: str = "invalid_value", status: int = 400):
-        super().__init__(code, message, param=param, status=status)
+    def __init__(self, param: str, message: str, *, code: str = "invalid_value", kind: ErrorKind = ErrorKind.INVALID):
+        super().__init__(code, message, param=param, kind=kind)
+
+
+class ModelNotFound(RequestError):
+    """The `model` a request names is not served here, or not for what the request asks."""
+
+    def __init__(self, message: str):
+        super().__init__("model", message, code="model_not_found", kind=ErrorKind.NOT_FOUND)
 
 
 @dataclass(frozen=True)

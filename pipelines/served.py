@@ -23,7 +23,7 @@ from pipelines.config import CPU_VIDEO_POOLS, MediaConfig, ModelSpec
 from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
-from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
+from pipelines.image_request import ImageLimits, ImageRequest, ModelNotFound, RequestError, Task
 from pipelines.registry import family_class
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
@@ -202,8 +202,8 @@ class ServedDiffusion:
         """The request as it will run (defaults filled, a seed drawn), or the field-naming RequestError."""
         if isinstance(request, VideoRequest):
             if not isinstance(self.model, VideoFamily):  # (routes refuse it sooner: unsupported_task)
-                raise RequestError("model", f"model {self.name!r} does not make videos; it does "
-                                            f"{list(self.info.tasks)}", code="model_not_found", status=404)
+                raise ModelNotFound(f"model {self.name!r} does not make videos; it does "
+                                    f"{list(self.info.tasks)}")
             return self.model.validate(request)
         if isinstance(self.model, VideoFamily):
             raise RequestError("model", f"model {self.name} makes videos ({list(self.model.tasks)}); use /v1/videos")

@@ -231,7 +231,7 @@ def _generate_image(args) -> int:
     except StageError as e:  # RequestError included: a bad field is a usage error
         where = f" ({e.param})" if e.param else ""
         print(f"mmserve: error{where}: {e.message}", file=sys.stderr)
-        return 2 if e.status < 500 else 1
+        return 2 if e.kind.caller_fault else 1
     finally:
         engine.shutdown()
     paths = [args.output] if len(encoded) == 1 else [

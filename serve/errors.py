@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from stages.events import StageError
+from stages.events import ErrorKind, StageError
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,21 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
     return JSONResponse(error_body(status, message, param=param, code=code), status_code=status, headers=headers)
 
 
+# The HTTP answer to each kind of engine error (499 is nginx's "client closed request").
+HTTP_STATUS = {ErrorKind.INVALID: 400, ErrorKind.NOT_FOUND: 404, ErrorKind.TOO_LARGE: 413, ErrorKind.BUSY: 429,
+               ErrorKind.CANCELLED: 499, ErrorKind.INTERNAL: 500, ErrorKind.UNAVAILABLE: 503,
+               ErrorKind.DEADLINE: 504}
+
+
+def http_status(error: StageError | ErrorKind | str) -> int:
+    """The HTTP status an engine error (or its kind, as an event carries it) is answered with."""
+    kind = error.kind if isinstance(error, StageError) else ErrorKind(error)
+    return HTTP_STATUS[kind]
+
+
 def stage_error_parts(exc: StageError) -> dict[str, Any]:
     """The fields of an engine error, for JSON replies and for SSE `error` events alike."""
-    return dict(status=exc.status, message=exc.message, param=exc.param, code=exc.code)
+    return dict(status=http_status(exc), message=exc.message, param=exc.param, code=exc.code)
 
 
 def is_json_type(content_type: str | None) -> bool:
@@ -161,7 +173,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StageError)  # RequestError and CapacityError included
     async def _stage(request: Request, exc: StageError) -> JSONResponse:
-        if exc.status >= 500:
+        if http_status(exc) >= 500:
             log.warning("%s %s failed: %s (%s)", request.method, request.url.path, exc.message, exc.code)
         return error_response(**stage_error_parts(exc), retry_after_s=getattr(exc, "retry_after_s", None))
 

@@ -28,7 +28,7 @@ import httpx
 
 from serve.batch_lines import LineError, error_record, parse_line, run_line, split_lines
 from serve.jobs import VIDEO_REQUEST_FIELDS, JobStore, write_atomic
-from stages.events import EventKind, StageError
+from stages.events import ErrorKind, EventKind, StageError
 
 log = logging.getLogger(__name__)
 # What a job that failed on an unexpected exception says: the details go to the log, never to the client (as a 500).
@@ -141,7 +141,7 @@ class JobRunner:
         if self.store.count_active(tenant, kind) >= self.policy.max_jobs_per_tenant:
             raise StageError("too_many_jobs", f"this tenant already has {self.policy.max_jobs_per_tenant} unfinished "
                                               f"{kind} jobs (the per-tenant limit); wait for one to finish",
-                             status=429)
+                             kind=ErrorKind.BUSY)
 
     # -- cancel ---------------------------------------------------------------------------
     async def cancel(self, job_id: str) -> None:
@@ -196,7 +196,7 @@ class JobRunner:
                     elif event.kind is EventKind.ERROR:
                         raise StageError.from_event(event)
                 if outputs is None:
-                    raise StageError("cancelled", "the job was cancelled", status=499)
+                    raise StageError("cancelled", "the job was cancelled", kind=ErrorKind.CANCELLED)
                 self.store.update_job(job_id, status="finalizing", durable=False)
                 await self._write_results(job_id, outputs)
                 self.store.finish_job(job_id, "completed", result={"seed": outputs.get("seed"),

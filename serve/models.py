@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.image_request import RequestError
+from pipelines.image_request import ModelNotFound, RequestError
 from pipelines.model_default import default_model
-from stages.events import StageError
+from stages.events import ErrorKind, StageError
 
 
 def resolve_model(engine, name: str | None, task: str, *, does: str, kind: str, accepts: tuple[str, ...] = (),
@@ -33,17 +33,15 @@ def resolve_model(engine, name: str | None, task: str, *, does: str, kind: str, 
     if (name is None or name not in models) and not engine.ready:
         message = ("models are still loading; retry shortly" if name is None else
                    f"model '{name}' is not loaded yet (the server is still loading models); retry shortly")
-        raise StageError("model_loading", message, param="model", status=503)
+        raise StageError("model_loading", message, param="model", kind=ErrorKind.UNAVAILABLE)
     if name is None:
         name = default_model(models, task)
         if name is None:
-            raise RequestError("model", f"no {kind} is loaded (no model does {task}); models: {sorted(models)}",
-                               code="model_not_found", status=404)
+            raise ModelNotFound(f"no {kind} is loaded (no model does {task}); models: {sorted(models)}")
         return name
     info = models.get(name)
     if info is None:
-        raise RequestError("model", f"The model '{name}' does not exist; available models: {sorted(models)}",
-                           code="model_not_found", status=404)
+        raise ModelNotFound(f"The model '{name}' does not exist; available models: {sorted(models)}")
     if not set(accepts or (task,)) & set(info.tasks):
         extra = hint(info) if hint is not None else ""
         raise RequestError("model", f"model '{name}' does not {does}{extra}; it does {list(info.tasks)}",

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serve.auth import tenant_of
-from serve.errors import error_body, stage_error_parts
+from serve.errors import error_body, http_status, stage_error_parts
 from serve.files import ImageStore
 from serve.schemas import ImageParams, size_string
 from stages.events import EventKind, StageError
@@ -164,8 +164,8 @@ async def event_stream(handle: RequestHandle, on_delta, on_final, opening=()) ->
                 payloads = on_final(event.data["outputs"])
             elif event.kind is EventKind.ERROR:
                 d = event.data
-                payloads = [error_body(d.get("status", 500), d.get("message", ""), param=d.get("param"),
-                                       code=d.get("code", "internal_error"))]
+                payloads = [error_body(http_status(d.get("error_kind", "internal")), d.get("message", ""),
+                                       param=d.get("param"), code=d.get("code", "internal_error"))]
             else:
                 continue
             for payload in payloads:

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from stages.events import CapacityError, EventKind, StageError
+from stages.events import CapacityError, ErrorKind, EventKind, StageError
 from stages.graph import StageGraph
 from stages.metrics import Metrics
 from stages.pool import PoolConfig, StagePool
@@ -58,7 +58,7 @@ class GraphExecutor:
             runs = list(self._runs.values())
         for run in runs:
             run.state.request_cancel()
-            run.state.fail(StageError("shutting_down", "the server is shutting down", status=503))
+            run.state.fail(StageError("shutting_down", "the server is shutting down", kind=ErrorKind.UNAVAILABLE))
         for pool in self.pools.values():
             pool.stop()
 
@@ -104,7 +104,7 @@ class GraphExecutor:
         if run is None:
             return False
         run.state.request_cancel()
-        if not run.state.fail(StageError("cancelled", "the request was cancelled", status=499)):
+        if not run.state.fail(StageError("cancelled", "the request was cancelled", kind=ErrorKind.CANCELLED)):
             return False
         self.metrics.stage.graph_requests.labels(model=run.state.model, outcome="cancelled").inc()
         return True
@@ -201,9 +201,10 @@ class GraphExecutor:
     def _on_drop(self, item: WorkItem, error: StageError | None) -> None:
         state = item.request
         if error is None and state.expired() and not state.closed:
-            error = StageError("deadline_exceeded", "the request passed its deadline", status=504)
+            error = StageError("deadline_exceeded", "the request passed its deadline", kind=ErrorKind.DEADLINE)
         if error is None and state.fenced() and not state.closed:
-            error = StageError("cancelled", "the request's session moved on (its epoch passed)", status=499)
+            error = StageError("cancelled", "the request's session moved on (its epoch passed)",
+                               kind=ErrorKind.CANCELLED)
         if error is not None:
             self._fail(state, error)
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from stages.events import EventKind, StageError
+from stages.events import ErrorKind, EventKind, StageError
 from stages.metrics import Metrics
 from stages.stage import LoopStage, Stage, WorkItem
 from stages.thread_budget import ThreadBudget, default_threads
@@ -225,7 +225,7 @@ class StagePool:
             self._set_active(worker, len(active))
         for item in active:
             stage.abort(item)
-            self._drop(item, StageError("shutting_down", "the server is shutting down", status=503))
+            self._drop(item, StageError("shutting_down", "the server is shutting down", kind=ErrorKind.UNAVAILABLE))
 
     def _start_items(self, stage: LoopStage, joining: list[WorkItem], active: list[WorkItem]) -> None:
         """Items join the loop at a step boundary (their initial latents, scheduler, ...)."""

@@ -82,7 +82,7 @@ class RequestState:
 
     def fail(self, error: StageError) -> bool:
         return self.emit(EventKind.ERROR, code=error.code, message=error.message, param=error.param,
-                         status=error.status)
+                         error_kind=error.kind.value)
 
     def request_cancel(self) -> None:
         self._cancel_requested.set()

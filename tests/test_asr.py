@@ -17,6 +17,7 @@ from pipelines.config import EngineConfig, ModelSpec
 from pipelines.demo import build_demo_model
 from pipelines.engine import Engine
 from pipelines.image_request import RequestError
+from serve.errors import http_status
 from stages.pool import PoolConfig
 from stages.speech.asr_transcript import TranscriptStream, window_spans
 
@@ -166,7 +167,7 @@ def test_request_checks_name_the_field(engine):
                                  (multi, {"prompt": "<|endoftext|>"}, "prompt")]:
         with pytest.raises(RequestError) as e:
             model.check(TranscriptionRequest(audio, **kwargs))
-        assert e.value.param == param and e.value.status == 400
+        assert e.value.param == param and http_status(e.value) == 400
     assert multi.check(TranscriptionRequest(audio, language="german"))[0] == "de"
     assert engine.models["tiny-en"].tasks == ("speech-to-text",)
     assert engine.models["tiny"].tasks == ("speech-to-text", "translations")

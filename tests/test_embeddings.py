@@ -23,6 +23,7 @@ from pipelines.embeddings import EmbeddingRequest, ImageInput
 from pipelines.engine import Engine
 from pipelines.image_request import RequestError
 from pipelines.registry import detect_family
+from serve.errors import http_status
 from stages.embedding import plan_forwards, shorten
 from tests.helpers import noise_image
 
@@ -179,13 +180,13 @@ def test_minilm_is_detected_as_embedding():
 def test_bad_requests_name_the_field(clip_engine, inputs, kwargs, param, code):
     with pytest.raises(RequestError) as err:
         clip_engine.submit_embeddings("clip", EmbeddingRequest(list(inputs), **kwargs))
-    assert (err.value.param, err.value.code, err.value.status) == (param, code, 400)
+    assert (err.value.param, err.value.code, http_status(err.value)) == (param, code, 400)
 
 
 def test_unknown_model_is_404(clip_engine):
     with pytest.raises(RequestError) as err:
         clip_engine.submit_embeddings("nope", EmbeddingRequest(["a"]))
-    assert (err.value.param, err.value.status) == ("model", 404)
+    assert (err.value.param, http_status(err.value)) == ("model", 404)
 
 
 # -- CLIP (tiny random) against CLIPModel ------------------------------------------------------------

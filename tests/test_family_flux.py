@@ -7,6 +7,7 @@ import pytest
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline
 
 from pipelines.image_request import ImageRequest, RequestError, Task
+from serve.errors import http_status
 from tests.helpers import half_mask, noise_image, running_engine, seeded, variant
 
 SIZE = 32  # 32 x 32 px -> 16 x 32 x 32 latents -> 256 packed tokens
@@ -125,7 +126,7 @@ def test_concurrent_requests_share_forwards_and_equal_solo(engine, batching_engi
 def test_bad_max_sequence_length(engine, extra):
     with pytest.raises(RequestError) as err:
         engine.submit_image("m", ImageRequest(prompt="x", width=SIZE, height=SIZE, extra=extra))
-    assert err.value.param == "max_sequence_length" and err.value.status == 400
+    assert err.value.param == "max_sequence_length" and http_status(err.value) == 400
 
 
 def test_size_must_be_a_multiple_of_the_packed_factor(engine):

@@ -13,6 +13,7 @@ from diffusers import WanImageToVideoPipeline, WanPipeline
 
 from pipelines.image_request import RequestError
 from pipelines.video import VideoRequest
+from serve.errors import http_status
 from stages.events import EventKind
 from stages.media.video import encode_video
 from stages.pool import PoolConfig
@@ -147,7 +148,7 @@ def test_bad_requests_name_the_field(engine, kwargs, param):
     request = dict(prompt="x", width=SIZE, height=SIZE, num_frames=FRAMES) | kwargs
     with pytest.raises(RequestError) as err:
         engine.submit_video("m", VideoRequest(**request))
-    assert err.value.param == param and err.value.status == 400
+    assert err.value.param == param and http_status(err.value) == 400
 
 
 def test_image_requests_and_video_requests_do_not_cross(engine):
@@ -223,4 +224,4 @@ def test_seconds_past_any_limit_name_seconds(engine, seconds):
     """A huge but finite duration overflowed the frame count (a 500 found by the schema fuzzer): it is a 400."""
     with pytest.raises(RequestError) as err:
         engine.submit_video("m", VideoRequest(prompt="x", width=SIZE, height=SIZE, seconds=seconds))
-    assert err.value.param == "seconds" and err.value.status == 400 and "the limit is" in err.value.message
+    assert err.value.param == "seconds" and http_status(err.value) == 400 and "the limit is" in err.value.message

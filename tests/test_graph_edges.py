@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from stages.events import EventKind, StageError
+from serve.errors import http_status
+from stages.events import ErrorKind, EventKind, StageError
 from stages.executor import GraphExecutor
 from stages.graph import Node, StageGraph, Stream
 from stages.pool import PoolConfig
@@ -202,12 +203,12 @@ def test_a_splitter_error_fails_the_request_with_its_code(stop):
     class Refuses(Sentences):
         def feed(self, delta):
             if "bad" in delta["text"]:
-                raise StageError("unspeakable_input", "cannot say that", param="input", status=400)
+                raise StageError("unspeakable_input", "cannot say that", param="input", kind=ErrorKind.INVALID)
             return super().feed(delta)
 
     with pytest.raises(StageError) as info:
         ex.submit(streamed(Refuses), {"text": "fine. bad. words."}).result(timeout=30)
-    assert (info.value.code, info.value.param, info.value.status) == ("unspeakable_input", "input", 400)
+    assert (info.value.code, info.value.param, http_status(info.value)) == ("unspeakable_input", "input", 400)
     assert ex.in_flight() == 0
 
 

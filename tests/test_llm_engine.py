@@ -15,6 +15,7 @@ from pipelines.chat import ChatRequest, LLMConfig
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.demo import build_demo_model
 from pipelines.engine import Engine
+from serve.errors import http_status
 from stages.events import EventKind, StageError
 from stages.llm.params import SamplingParams
 
@@ -157,7 +158,7 @@ def test_list_of_prompts_names_the_bad_one(engine):
                           ([[3], [1] * 5000], "context_length_exceeded")):
         with pytest.raises(StageError) as err:
             engine.submit_chat("m", ChatRequest(prompts=prompts, params=SamplingParams(max_tokens=1)))
-        assert err.value.param == "prompt[1]" and err.value.status == 400
+        assert err.value.param == "prompt[1]" and http_status(err.value) == 400
         if code:
             assert err.value.code == code
 
@@ -209,7 +210,7 @@ def test_random_cancellations_return_every_block(engine, reference):
 def test_prompt_longer_than_context_is_refused(engine):
     with pytest.raises(StageError) as err:
         _run(engine, [1] * 5000, max_tokens=1)
-    assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+    assert http_status(err.value) == 400 and err.value.code == "context_length_exceeded"
 
 
 def test_all_masked_request_fails_alone(engine, reference):
@@ -219,5 +220,5 @@ def test_all_masked_request_fails_alone(engine, reference):
     banned = _run(engine, ids, max_tokens=4, temperature=0.7, logit_bias={i: -100 for i in range(vocab)})
     with pytest.raises(StageError) as err:
         banned.result(timeout=60)
-    assert err.value.code == "sampling_failed" and err.value.status == 400
+    assert err.value.code == "sampling_failed" and http_status(err.value) == 400
     assert good.result(timeout=60)["choices"][0]["token_ids"] == _generate(reference, ids, 16)

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from pipelines.image_request import ImageRequest, RequestError, Task
+from serve.errors import http_status
 from stages.events import EventKind, StageError
 from stages.media.stage import DecodeImages, EncodeImages
 from tests.helpers import running_engine
@@ -88,7 +89,7 @@ def test_a_corrupt_upload_fails_in_media_decode_naming_its_field(engine):
     handle = engine.submit("sd", request)
     with pytest.raises(StageError) as err:
         handle.result(timeout=300)
-    assert (err.value.code, err.value.param, err.value.status) == ("media_corrupt", "mask", 400)
+    assert (err.value.code, err.value.param, http_status(err.value)) == ("media_corrupt", "mask", 400)
     events = list(handle.events(timeout=10))
     assert [e.stage for e in events if e.kind is EventKind.STAGE_STARTED] == ["media_decode"]
 
@@ -146,7 +147,7 @@ def test_a_chat_with_an_image_is_one_graph_where_llm_reads_its_prompt_and_its_fe
         bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
         with pytest.raises(StageError) as err:
             eng.submit_chat("vlm", ChatRequest(messages=bad, params=params))
-        assert err.value.param == "messages[0].content[0].image_url.url" and err.value.status == 400
+        assert err.value.param == "messages[0].content[0].image_url.url" and http_status(err.value) == 400
 
 
 def test_an_edits_own_fields_are_checked_with_its_real_task_before_decoding(engine):

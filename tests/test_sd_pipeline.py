@@ -9,6 +9,7 @@ from PIL import Image
 
 from pipelines import Pipeline
 from pipelines.image_request import ImageRequest, RequestError, Task
+from serve.errors import http_status
 from stages.events import EventKind, StageError
 from tests.helpers import half_mask, noise_image, running_engine, seeded, variant
 
@@ -139,7 +140,7 @@ def test_prompt_cache_is_per_tenant(engine):
 def test_bad_requests_name_the_field(engine, field, request_kwargs):
     with pytest.raises(RequestError) as err:
         engine.submit_image("sd", ImageRequest(**request_kwargs))
-    assert err.value.param == field and 400 <= err.value.status < 500
+    assert err.value.param == field and 400 <= http_status(err.value) < 500
 
 
 def test_mask_size_mismatch(engine):
@@ -152,7 +153,7 @@ def test_mask_size_mismatch(engine):
 def test_unknown_model_is_404(engine):
     with pytest.raises(RequestError) as err:
         engine.submit_image("nope", ImageRequest(prompt="x"))
-    assert err.value.status == 404 and err.value.param == "model"
+    assert http_status(err.value) == 404 and err.value.param == "model"
 
 
 def test_python_api_matches_diffusers_and_streams(sd_path, reference):

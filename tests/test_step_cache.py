@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from pipelines.image_request import ImageRequest, RequestError
 from pipelines.video import VideoRequest
+from serve.errors import http_status
 from stages.diffusion.step_cache import (
     BranchCache,
     StepCacheConfig,
@@ -84,7 +85,7 @@ def _run(engine, family: str, steps: int, step_cache=None, seed: int = 3, prompt
 def test_bad_params_name_the_field(value, param):
     with pytest.raises(StageError) as e:
         StepCacheParams.parse(value)
-    assert e.value.param == param and e.value.status == 400
+    assert e.value.param == param and http_status(e.value) == 400
 
 
 def test_teacache_accumulates_rescaled_change_and_restarts():

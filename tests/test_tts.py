@@ -16,6 +16,7 @@ import torch
 from pipelines.image_request import RequestError
 from pipelines.phrases import PhraseLimits, PhraseSplitter, split_phrases
 from pipelines.tts import SpeechRequest
+from serve.errors import http_status
 from stages.events import EventKind, StageError
 from stages.speech.audio_dsp import fade_edges, resample, stretch_frames
 
@@ -257,13 +258,13 @@ def test_bad_requests_name_the_field(engine, request_kwargs, param):
     text = request_kwargs.pop("input")
     with pytest.raises(RequestError) as err:
         engine.submit_speech("vits", SpeechRequest(text, **request_kwargs))
-    assert err.value.param == param and err.value.status == 400
+    assert err.value.param == param and http_status(err.value) == 400
 
 
 def test_unknown_model_is_404(engine):
     with pytest.raises(RequestError) as err:
         engine.submit_speech("nope", SpeechRequest("hello"))
-    assert err.value.status == 404 and err.value.param == "model"
+    assert http_status(err.value) == 404 and err.value.param == "model"
 
 
 def test_benchmark_script_prints_the_ratio(tts_paths):

@@ -22,6 +22,7 @@ from pipelines.chat_parts import AUDIO_REFUSAL, VLMConfig
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.demo import build_demo_model
 from pipelines.engine import Engine
+from serve.errors import http_status
 from stages.events import StageError
 from stages.llm.multimodal import MediaSpan, MRoPE, attach_features, mrope_positions
 from stages.llm.params import SamplingParams
@@ -270,7 +271,7 @@ def test_eight_concurrent_requests_encode_a_new_image_once(paths, references):
 def refused(engine, model, messages, **params) -> StageError:
     with pytest.raises(StageError) as err:
         chat(engine, model, messages, **params)
-    assert err.value.status == 400, err.value.message
+    assert http_status(err.value) == 400, err.value.message
     return err.value
 
 
@@ -324,7 +325,7 @@ def test_feature_rows_must_match_placeholders():
     spans = (MediaSpan(2, 4, "x"),)
     with pytest.raises(StageError) as err:
         attach_features(spans, [torch.zeros(3, 8)], num_tokens=10, hidden_size=8)
-    assert err.value.status == 400 and err.value.code == "media_mismatch"
+    assert http_status(err.value) == 400 and err.value.code == "media_mismatch"
     with pytest.raises(StageError):
         attach_features(spans, [], num_tokens=10, hidden_size=8)
     with pytest.raises(StageError):

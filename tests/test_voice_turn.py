@@ -13,6 +13,7 @@ from pipelines.chat import ChatRequest
 from pipelines.phrases import PhraseSplitter
 from pipelines.tts import SpeechRequest
 from pipelines.voice_turn import VOICE_PHRASES, VoiceTurnRequest, speakable
+from serve.errors import http_status
 from stages.events import EventKind, StageError
 from stages.llm.params import SamplingParams
 from tests.test_realtime_voice_support import voice_engine, voice_models  # noqa: F401  (a fixture)
@@ -111,4 +112,4 @@ def test_a_closed_fence_stops_the_turn_and_silences_it(engine):
 def test_unknown_voice_model_is_a_404(engine):
     with pytest.raises(StageError) as info:
         engine.submit_voice_turn("nope", _turn())
-    assert (info.value.status, info.value.param) == (404, "model")
+    assert (http_status(info.value), info.value.param) == (404, "model")

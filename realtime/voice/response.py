@@ -137,7 +137,7 @@ class ResponseRunner:
                 raise
             return
         except StageError as exc:
-            status, error = "failed", {"type": "server_error" if exc.status >= 500 else "invalid_request_error",
+            status, error = "failed", {"type": "invalid_request_error" if exc.kind.caller_fault else "server_error",
                                        "code": exc.code, "message": exc.message}
         except Exception as exc:  # the response fails; the session goes on
             log.exception("voice response %s failed", r.id)

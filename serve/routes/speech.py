@@ -34,7 +34,7 @@ from serve.auth import tenant_of
 from serve.errors import error_body, stage_error_parts
 from serve.models import resolve_model
 from serve.responses import result_or_cancel, sse
-from stages.events import Event, EventKind, StageError
+from stages.events import ErrorKind, Event, EventKind, StageError
 from stages.media.audio_encode import ENCODE_FORMATS, AudioStreamEncoder
 from stages.media.image import MediaError
 from stages.request_state import RequestHandle
@@ -141,7 +141,7 @@ async def _first_output(request: Request, handle: RequestHandle, events: AsyncIt
     if not waiter.done():
         waiter.cancel()
         handle.cancel()
-        raise StageError("cancelled", "the client disconnected", status=499)
+        raise StageError("cancelled", "the client disconnected", kind=ErrorKind.CANCELLED)
     event = waiter.result()
     if event.kind is EventKind.ERROR:
         raise StageError.from_event(event)

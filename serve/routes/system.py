@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from serve.auth import tenant_of
 from serve.errors import ApiError
 from serve.models import model_object
-from stages.events import StageError
+from stages.events import ErrorKind, StageError
 
 router = APIRouter()
 
@@ -30,7 +30,7 @@ async def retrieve_model(model_id: str, request: Request) -> dict:
         configured = {spec.name for spec in (*engine.config.models, *engine.config.voices)}
         if not engine.ready and model_id in configured:
             raise StageError("model_loading", f"model '{model_id}' is not loaded yet (the server is still loading "
-                                              f"models); retry shortly", param="model", status=503)
+                                              f"models); retry shortly", param="model", kind=ErrorKind.UNAVAILABLE)
         raise ApiError(404, f"The model '{model_id}' does not exist; available models: {sorted(engine.models)}",
                        param="model", code="model_not_found")
     return model_object(info, request.app.state.created)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from stages.events import StageError
+from stages.events import ErrorKind, StageError
 
 METHODS = ("teacache", "fbcache", "interval")
 MAX_THRESHOLD = 10.0  # a larger threshold skips every inner step; refuse it as a typo
@@ -153,4 +153,4 @@ def decide_interval(state: StepCacheState, step: int, forced: bool) -> bool:
 
 
 def _bad(param: str, message: str) -> StageError:
-    return StageError("invalid_value", message, param=param, status=400)
+    return StageError("invalid_value", message, param=param, kind=ErrorKind.INVALID)

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from stages.events import StageError
+from stages.events import ErrorKind, StageError
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,21 @@ def attach_features(spans: Sequence[MediaSpan], features: Sequence[torch.Tensor]
     if not spans:
         if features:
             raise StageError("media_mismatch", f"{len(features)} encoded media items arrived for a prompt without "
-                             "media placeholders", param="messages", status=400)
+                             "media placeholders", param="messages", kind=ErrorKind.INVALID)
         return ()
     features = list(features or ())
     if len(features) != len(spans):
         raise StageError("media_mismatch", f"the prompt has {len(spans)} media placeholder spans but "
-                         f"{len(features)} encoded media items arrived", param="messages", status=400)
+                         f"{len(features)} encoded media items arrived", param="messages", kind=ErrorKind.INVALID)
     out = []
     for i, (span, feats) in enumerate(zip(spans, features)):
         if span.offset < 0 or span.end > num_tokens:
             raise StageError("media_mismatch", f"media item {i} spans tokens [{span.offset}, {span.end}) outside "
-                             f"the {num_tokens}-token prompt", param="messages", status=400)
+                             f"the {num_tokens}-token prompt", param="messages", kind=ErrorKind.INVALID)
         if feats.ndim != 2 or feats.shape[0] != span.length or feats.shape[1] != hidden_size:
             raise StageError("media_mismatch", f"media item {i} has {span.length} placeholder tokens but features "
                              f"of shape {tuple(feats.shape)}; expected ({span.length}, {hidden_size})",
-                             param="messages", status=400)
+                             param="messages", kind=ErrorKind.INVALID)
         out.append(replace(span, features=feats))
     return tuple(out)
 

@@ -16,7 +16,7 @@ from typing import Any, Hashable
 
 import torch
 
-from stages.events import EventKind, StageError
+from stages.events import ErrorKind, EventKind, StageError
 from stages.llm.blocks import BlockManager, BlockTable
 from stages.llm.detokenizer import OutputText
 from stages.llm.multimodal import MediaSpan, MRoPE, attach_features
@@ -85,11 +85,11 @@ class LLMStage(LoopStage):
         for prompt in req.prompts:  # every prompt is checked before any enters the scheduler
             if len(prompt) >= self.runner.max_context:
                 raise StageError("context_length_exceeded", f"the prompt is {len(prompt)} tokens; this model's "
-                                 f"context is {self.runner.max_context}", param="messages", status=400)
+                                 f"context is {self.runner.max_context}", param="messages", kind=ErrorKind.INVALID)
             try:
                 self.scheduler.check_fits(len(prompt) + 1)
             except ValueError as e:
-                raise StageError("context_length_exceeded", str(e), param="messages", status=400) from None
+                raise StageError("context_length_exceeded", str(e), param="messages", kind=ErrorKind.INVALID) from None
         n = req.params.n
         seqs = [self._new_seq(req, prompt, index=k * n, generator=make_generator(req.params.seed))
                 for k, prompt in enumerate(req.prompts)]  # the same seed per prompt: as if each came alone
@@ -197,7 +197,8 @@ class LLMStage(LoopStage):
         for seq in item.state["seqs"]:
             self._finish_seq(seq, "abort")
         item.state["unforked"].clear()
-        item.emit(EventKind.ERROR, code="sampling_failed", message=message, param=None, status=400)
+        item.emit(EventKind.ERROR, code="sampling_failed", message=message, param=None,
+                  error_kind=ErrorKind.INVALID.value)
 
     # -- sequences ----------------------------------------------------------------------------
     def _new_seq(self, req: GenerationRequest, prompt_ids: tuple[int, ...], index: int,

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from stages.events import ErrorKind
+
 ERROR_CODES = frozenset({
     "media_bytes", "media_pixels", "media_frames", "media_duration", "media_format",
     "media_corrupt", "media_fetch", "media_timeout", "media_worker",
@@ -33,6 +35,9 @@ _DECODE_MODES = ("RGB", "L", "RGBA")
 _CORRUPT_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError, KeyError, TypeError)
 
 
+_OVER_LIMIT = ("media_bytes", "media_pixels", "media_frames", "media_duration")
+
+
 class MediaError(Exception):
     """A media input or task rejected or failed; `code` is stable, `message` says what to change."""
 
@@ -42,6 +47,11 @@ class MediaError(Exception):
         self.code = code  # one of ERROR_CODES; mapped to an HTTP error by the serving layer
         self.message = message  # names the limit and the value that broke it
         self.param = param  # request field at fault, when known
+
+    @property
+    def kind(self) -> ErrorKind:
+        """A limit passed (bytes, pixels, frames, duration) or an input that is wrong."""
+        return ErrorKind.TOO_LARGE if self.code in _OVER_LIMIT else ErrorKind.INVALID
 
     def __reduce__(self):
         # Crosses the worker pipe: rebuild from the three fields, not from Exception.args magic.

@@ -20,8 +20,6 @@ from stages.media.pool import MediaPool
 from stages.stage import Stage, WorkItem
 
 # Media errors that are about size are 413s; the rest (corrupt, unsupported, ...) 400s.
-MEDIA_STATUS = {"media_bytes": 413, "media_pixels": 413, "media_frames": 413, "media_duration": 413}
-
 # Outputs of the node before media_encode that the request's final outputs keep.
 _PASSED_ON = ("images", "pixels", "seed")
 
@@ -123,4 +121,4 @@ def result_of(future, param: str):
     try:
         return future.result()
     except MediaError as exc:
-        raise StageError(exc.code, exc.message, param=param, status=MEDIA_STATUS.get(exc.code, 400)) from exc
+        raise StageError(exc.code, exc.message, param=param, kind=exc.kind) from exc
