@@ -60,10 +60,10 @@ class ModelSpec:
 
     def pool(self, kind: str, default: PoolConfig | None = None) -> PoolConfig:
         """The pool of one stage kind: configured, else `default`, else CPU_POOLS (a CPU model), else DEFAULT_POOLS;
-        it runs on the model's device."""
+        it runs on the model's device, or a placed pool on its first listed device (and the others, one per replica)."""
         cpu = CPU_POOLS.get(kind) if self.device == "cpu" else None
         config = self.pools.get(kind) or default or cpu or DEFAULT_POOLS.get(kind, PoolConfig())
-        return dataclasses.replace(config, device=self.device)
+        return dataclasses.replace(config, device=config.devices[0] if config.devices else self.device)
 
     @property
     def speedups(self) -> Speedups:

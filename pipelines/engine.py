@@ -22,6 +22,7 @@ from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
 from pipelines.image_request import ImageRequest, ModelNotFound, RequestError
 from pipelines.registry import detect_family, served_class
+from pipelines.replicas import placed_stages
 from pipelines.served import (
     REALTIME_VIDEO_TASK,
     REQUESTS,
@@ -104,9 +105,10 @@ class Engine:
         family = spec.family or detect_family(spec.path)
         context = LoadContext(self.metrics, self.prompt_cache, self.encoder_cache, self.config.limits, self.media,
                               self.config.media)
-        served: ServedModel = served_class(family)(spec, family, context, _random_weights(spec))
-        for kind, stage, default in served.stages():
-            self.executor.add_pool(f"{spec.name}/{kind}", stage, spec.pool(kind, default))
+        load = lambda s: served_class(family)(s, family, context, _random_weights(spec))  # noqa: E731
+        served: ServedModel = load(spec)
+        for name, stages, config in placed_stages(spec, served, load):  # placed pools: a copy per replica
+            self.executor.add_pool(name, stages, config)
         self._served[spec.name] = served
         self._specs[spec.name] = spec
         self.models[spec.name] = served.info

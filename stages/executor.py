@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from stages.events import CapacityError, ErrorKind, EventKind, StageError
@@ -39,7 +40,7 @@ class GraphExecutor:
         self._started = False
 
     # -- set-up -------------------------------------------------------------------------
-    def add_pool(self, name: str, stage: Stage, config: PoolConfig | None = None) -> StagePool:
+    def add_pool(self, name: str, stage: Stage | Sequence[Stage], config: PoolConfig | None = None) -> StagePool:
         if name in self.pools:
             raise ValueError(f"pool {name!r} already exists")
         pool = StagePool(name, stage, config or PoolConfig(), self.metrics, self._on_done, self._on_drop, self.budget)

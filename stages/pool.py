@@ -1,4 +1,10 @@
-"""StagePool: N worker threads running one stage, with a bounded queue and a batching window."""
+"""StagePool: N worker threads running one stage, with a bounded queue and a batching window.
+
+Unplaced (no `devices`), the replicas are threads sharing one stage object on the model's device, and whichever
+is free takes the next item. Placed, each replica has its own stage object (its own weights) on its own device,
+and each item is routed to one replica when it is queued (stages/placement.py); its inputs move to that device
+when the replica takes it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -14,6 +21,8 @@ import torch
 
 from stages.events import ErrorKind, EventKind, StageError
 from stages.metrics import Metrics
+from stages.placement import Router, check_device, to_device
+from stages.replica_metrics import ReplicaMetrics
 from stages.stage import LoopStage, Stage, WorkItem
 from stages.thread_budget import ThreadBudget, default_threads
 
@@ -30,10 +39,28 @@ class PoolConfig:
     # Torch intra-op threads of each worker (its OpenMP team), held from the budget while it runs a batch or a
     # step. None: the cores this process may use (os.sched_getaffinity), shared by the replicas.
     threads: int | None = None
+    # One device per replica ("cuda:0", "cuda:1"; "cpu" twice is two copies on the CPU), each replica with its own
+    # copy of the stage's weights; items are routed to replicas (stages/placement.py). Empty: every replica on
+    # `device`, sharing one stage object. With devices and replicas left at 1, there is one replica per device.
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.devices:
+            if isinstance(self.devices, str) or not all(isinstance(d, str) for d in self.devices):
+                raise ValueError(f"devices must be a list of device names, one per replica, got {self.devices!r}")
+            object.__setattr__(self, "devices", tuple(self.devices))
+            if self.replicas == 1:  # the default: one replica per listed device
+                object.__setattr__(self, "replicas", len(self.devices))
+            if self.replicas > len(self.devices):
+                raise ValueError(f"replicas = {self.replicas} is more replicas than devices ({len(self.devices)}: "
+                                 f"{list(self.devices)}); devices needs one entry per replica")
+            if self.replicas < len(self.devices):
+                raise ValueError(f"devices lists {len(self.devices)} devices for {self.replicas} replicas; devices "
+                                 f"needs one entry per replica")
+            for i, device in enumerate(self.devices):
+                check_device(device, f"devices[{i}]")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_delay_ms < 0:
@@ -53,14 +80,21 @@ DropFn = Callable[[WorkItem, StageError | None], None]
 
 
 class StagePool:
-    def __init__(self, name: str, stage: Stage, config: PoolConfig, metrics: Metrics, on_done: DoneFn, on_drop: DropFn,
-                 budget: ThreadBudget | None = None):
+    def __init__(self, name: str, stage: Stage | Sequence[Stage], config: PoolConfig, metrics: Metrics,
+                 on_done: DoneFn, on_drop: DropFn, budget: ThreadBudget | None = None):
+        """`stage`: one stage object the replicas share, or (a placed pool) one per replica, on its device."""
         self.name = name
-        self.stage = stage
+        self.stages: list[Stage] = [stage] * config.replicas if isinstance(stage, Stage) else list(stage)
+        if len(self.stages) != config.replicas:
+            raise ValueError(f"pool {name}: {len(self.stages)} stage objects for {config.replicas} replicas")
+        self.stage = self.stages[0]
         self.config = config
         self.metrics = metrics
-        # A CPU pool computes only while it holds `threads` of the shared budget; other pools do not wait.
-        self._budget = budget if config.device == "cpu" and stage.torch_threads else None
+        self.placed = bool(config.devices)
+        self.devices = [torch.device(d) for d in config.devices] or [torch.device(config.device)] * config.replicas
+        self._router = Router(config.replicas)
+        # A CPU replica computes only while it holds `threads` of the shared budget; other devices do not wait.
+        self._budget = budget if self.stage.torch_threads else None
         self.threads = config.threads or default_threads(config.replicas)  # torch threads per worker
         self._on_done = on_done
         self._on_drop = on_drop
@@ -69,13 +103,20 @@ class StagePool:
         self._active: dict[int, int] = {}  # worker index -> items in hand
         self._stopping = False
         self._threads: list[threading.Thread] = []
-        labels = dict(stage=name, model=stage.model)
+        labels = dict(stage=name, model=self.stage.model)
         self._m_queue_age = metrics.stage.queue_age.labels(**labels)
         self._m_run = metrics.stage.run_time.labels(**labels)
         self._m_batch = metrics.stage.batch_size.labels(**labels)
         self._m_depth = metrics.stage.queue_depth.labels(**labels)
         self._m_active = metrics.stage.active.labels(**labels)
         self._m_thread_wait = metrics.stage.thread_wait.labels(**labels)
+        replica = metrics.part(ReplicaMetrics)
+        self._m_replica = [{series: getattr(replica, series).labels(**labels, replica=str(i), device=str(dev),
+                                                                   node="local")
+                            for series in ("queue_age", "run_time", "batch_size", "items", "live", "transfer_time",
+                                           "transfer_bytes")} for i, dev in enumerate(self.devices)]
+        for m in self._m_replica:
+            m["live"].set(1)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -102,6 +143,11 @@ class StagePool:
         """Enqueue without a bound: admitted requests always progress to their next node."""
         item.enqueued_at = time.monotonic()
         with self._cond:
+            if self.placed:
+                affinity = self.stage.affinity(item)
+                loads = [self._load(r) for r in range(self.config.replicas)]
+                item.replica = (self._router.pick(loads) if affinity is None else
+                                self._router.pick(loads, affinity.key, sticky=affinity.sticky))
             self._queue.append(item)
             self._m_depth.set(len(self._queue))
             self._cond.notify_all()
@@ -115,24 +161,53 @@ class StagePool:
         with self._cond:
             return len(self._queue)
 
+    def _load(self, replica: int) -> int:
+        """Items queued for a replica plus those in its hands (caller holds the lock)."""
+        return sum(i.replica == replica for i in self._queue) + self._active.get(replica, 0)
+
+    def _for(self, worker: int, item: WorkItem) -> bool:
+        return item.replica is None or item.replica == worker
+
+    def _has_work(self, worker: int) -> bool:
+        return any(self._for(worker, i) for i in self._queue)
+
+    def _popleft(self, worker: int) -> WorkItem:
+        item = next(i for i in self._queue if self._for(worker, i))
+        self._queue.remove(item)
+        return item
+
+    def _place(self, worker: int, items: list[WorkItem]) -> None:
+        """Move the items' input tensors to this replica's device (a placed pool's edge)."""
+        if not self.placed:
+            return
+        m = self._m_replica[worker]
+        for item in items:
+            m["items"].inc()
+            m["queue_age"].observe(time.monotonic() - item.enqueued_at)
+            started = time.perf_counter()
+            item.inputs, moved = to_device(item.inputs, self.devices[worker])
+            if moved:
+                m["transfer_time"].observe(time.perf_counter() - started)
+                m["transfer_bytes"].inc(moved)
+
     # -- batch stages -------------------------------------------------------------------
     def _take_batch(self, worker: int) -> list[WorkItem] | None:
         """Block for a first item, then gather items with its batch key until full or the window closes."""
         with self._cond:
             while True:
                 self._purge_stopped()
-                if self._queue or self._stopping:
+                if self._has_work(worker) or self._stopping:
                     break
                 self._cond.wait()
             if self._stopping:
                 return None
-            first = self._queue.popleft()
-            key = self.stage.batch_key(first)
+            first = self._popleft(worker)
+            key = self.stages[worker].batch_key(first)
             batch = [first]
             window_end = time.monotonic() + self.config.max_delay_ms / 1000
             while len(batch) < self.config.max_batch_size:
                 self._purge_stopped()
-                batch += self._pop_matching(key, self.config.max_batch_size - len(batch))
+                batch += self._pop_matching(worker, key, self.config.max_batch_size - len(batch))
                 remaining = window_end - time.monotonic()
                 if len(batch) >= self.config.max_batch_size or remaining <= 0 or self._stopping:
                     break
@@ -141,26 +216,27 @@ class StagePool:
             self._m_depth.set(len(self._queue))
             return batch
 
-    def _compute(self):
+    def _compute(self, worker: int):
         """The threads for one batch or step: held from the shared budget (waiting in line), or the worker's own."""
-        if self._budget is None:
+        if self._budget is None or self.devices[worker].type != "cpu":
             return contextlib.nullcontext()
         return self._budget.hold(self.threads, on_wait=self._m_thread_wait.observe)
 
     def _batch_worker(self, worker: int) -> None:
         torch.set_num_threads(self.threads)  # this thread's OpenMP team
+        stage = self.stages[worker]
         while (batch := self._take_batch(worker)) is not None:
+            self._place(worker, batch)
             now = time.monotonic()
             for item in batch:
                 self._m_queue_age.observe(now - item.enqueued_at)
                 item.emit(EventKind.STAGE_STARTED)
             self._m_active.inc(len(batch))
             try:
-                with self._compute():
+                with self._compute(worker):
                     started = time.perf_counter()
-                    outputs = self.stage.run_batch(batch)
-                    self._m_run.observe(time.perf_counter() - started)
-                self._m_batch.observe(len(batch))
+                    outputs = stage.run_batch(batch)
+                    self._observe_run(worker, time.perf_counter() - started, len(batch))
                 for item, out in zip(batch, outputs, strict=True):
                     self._finish(item, out)
             except Exception as exc:  # one bad batch fails its items, not the worker
@@ -173,7 +249,7 @@ class StagePool:
 
     # -- loop stages --------------------------------------------------------------------
     def _loop_worker(self, worker: int) -> None:
-        stage: LoopStage = self.stage  # type: ignore[assignment]
+        stage: LoopStage = self.stages[worker]  # type: ignore[assignment]
         active: list[WorkItem] = []
         turn: dict[Any, int] = {}  # batch key -> last step counter it ran at (round robin)
         counter = 0
@@ -183,7 +259,8 @@ class StagePool:
             if joining is None:
                 break
             if joining:
-                self._start_items(stage, joining, active)
+                self._place(worker, joining)
+                self._start_items(worker, stage, joining, active)
             # Leave at a step boundary: cancelled, expired or closed requests.
             for item in [i for i in active if i.request.should_stop()]:
                 active.remove(item)
@@ -203,11 +280,10 @@ class StagePool:
             turn[key] = counter
             # Run one step, then commit: finished items leave the loop.
             try:
-                with self._compute():
+                with self._compute(worker):
                     started = time.perf_counter()
                     stage.step(batch)
-                    self._m_run.observe(time.perf_counter() - started)
-                self._m_batch.observe(len(batch))
+                    self._observe_run(worker, time.perf_counter() - started, len(batch))
                 for item in batch:
                     item.steps_run += 1
                 finished = [i for i in batch if stage.is_done(i)]
@@ -227,9 +303,9 @@ class StagePool:
             stage.abort(item)
             self._drop(item, StageError("shutting_down", "the server is shutting down", kind=ErrorKind.UNAVAILABLE))
 
-    def _start_items(self, stage: LoopStage, joining: list[WorkItem], active: list[WorkItem]) -> None:
+    def _start_items(self, worker: int, stage: LoopStage, joining: list[WorkItem], active: list[WorkItem]) -> None:
         """Items join the loop at a step boundary (their initial latents, scheduler, ...)."""
-        with self._compute():
+        with self._compute(worker):
             for item in joining:
                 self._m_queue_age.observe(time.monotonic() - item.enqueued_at)
                 item.emit(EventKind.STAGE_STARTED)
@@ -247,12 +323,12 @@ class StagePool:
                 self._purge_stopped()
                 if self._stopping:
                     return None
-                if self._queue or active:
+                if self._has_work(worker) or active:
                     break
                 self._cond.wait()
             joining: list[WorkItem] = []
-            while self._queue and len(active) + len(joining) < self._loop_capacity():
-                joining.append(self._queue.popleft())
+            while self._has_work(worker) and len(active) + len(joining) < self._loop_capacity():
+                joining.append(self._popleft(worker))
             self._active[worker] = len(active) + len(joining)
             self._m_depth.set(len(self._queue))
             return joining
@@ -262,12 +338,19 @@ class StagePool:
         return max(self.config.max_batch_size * 4, 4)
 
     # -- shared helpers -----------------------------------------------------------------
-    def _pop_matching(self, key, limit: int) -> list[WorkItem]:
+    def _observe_run(self, worker: int, seconds: float, items: int) -> None:
+        self._m_run.observe(seconds)
+        self._m_batch.observe(items)
+        if self.placed:
+            self._m_replica[worker]["run_time"].observe(seconds)
+            self._m_replica[worker]["batch_size"].observe(items)
+
+    def _pop_matching(self, worker: int, key, limit: int) -> list[WorkItem]:
         taken: list[WorkItem] = []
         for item in list(self._queue):
             if len(taken) >= limit:
                 break
-            if self.stage.batch_key(item) == key:
+            if self._for(worker, item) and self.stages[worker].batch_key(item) == key:
                 self._queue.remove(item)
                 taken.append(item)
         return taken

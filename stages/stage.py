@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from stages.events import EventKind
+from stages.placement import Affinity
 from stages.request_state import RequestState
 
 
@@ -24,6 +25,7 @@ class WorkItem:
     released: bool = False  # set once its state was freed; release is idempotent
     piece: int | None = None  # a streamed node's piece: its position among the node's pieces
     route: Callable[..., bool] | None = None  # where a piece's events go (they are put in piece order there)
+    replica: int | None = None  # a placed pool's replica it was routed to; None: whichever replica is free
 
     @property
     def request_id(self) -> str:
@@ -53,6 +55,12 @@ class Stage:
 
     def batch_key(self, item: WorkItem) -> Hashable:
         return None
+
+    def affinity(self, item: WorkItem) -> Affinity | None:
+        """Which replica of a placed pool an item should go to: a request of a realtime session (its `session`)
+        sticks to one replica, since the session's state lives there; None: the least loaded."""
+        session = getattr(item.inputs.get("request"), "session", None)
+        return None if session is None else Affinity(("session", session), sticky=True)
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         """Run a batch; return one outputs dict per item, in order."""

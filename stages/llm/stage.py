@@ -26,6 +26,7 @@ from stages.llm.sampling import make_generator, sample
 from stages.llm.scheduler import Plan, Scheduler, SchedulerConfig
 from stages.llm.sequence import SeqStatus, Sequence
 from stages.metrics import Metrics
+from stages.placement import Affinity
 from stages.stage import LoopStage, WorkItem
 
 
@@ -74,6 +75,15 @@ class LLMStage(LoopStage):
 
     def batch_key(self, item: WorkItem) -> Hashable:
         return "llm"  # one scheduler decides; every active item is in the step
+
+    def affinity(self, item: WorkItem) -> Affinity | None:
+        """Prefix-affine routing across replicas: a prompt whose first KV block (and namespace: weights, tenant,
+        media) another request had goes where that block is cached. Shorter prompts cache nothing: least loaded."""
+        req: GenerationRequest = item.inputs["request"]
+        size = self.runner.kv.block_size
+        if len(req.prompt_ids) < size:
+            return None
+        return Affinity(("prefix", req.namespace, req.prompt_ids[:size]), sticky=False)
 
     # -- requests in and out --------------------------------------------------------------------
     def start(self, item: WorkItem) -> None:
