@@ -81,3 +81,28 @@ def test_spec_keeps_the_devices():
     spec = ModelSpec("m", "/nowhere", pools={"denoise": PoolConfig(devices=("cpu", "cpu"))})
     pool = spec.pool("denoise")
     assert pool.devices == ("cpu", "cpu") and pool.replicas == 2 and pool.device == "cpu"
+
+
+def test_llm_replicas_route_a_repeated_prefix_to_its_cache(tmp_path):
+    from pipelines.chat import ChatRequest, LLMConfig
+    from pipelines.demo import build_demo_model
+    from stages.llm.params import SamplingParams
+
+    path = str(build_demo_model("llama", tmp_path / "llama"))
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = [list(range(5, 5 + 40)), list(range(60, 60 + 40))]  # two prefixes of several blocks
+    config = LLMConfig(kv_cache_mb=8, block_size=4)
+    with running_engine(path, family="causal-lm", llm=config) as plain:
+        expected = [plain.submit_chat("m", ChatRequest(prompt=p, params=params)).result(timeout=120)["choices"][0]
+                    ["token_ids"] for p in prompts]
+    pools = {"llm": PoolConfig(devices=("cpu", "cpu"), max_batch_size=4096, max_queue=256)}
+    with running_engine(path, family="causal-lm", llm=config, pools=pools) as placed:
+        pool = placed.executor.pools["m/llm"]
+        homes = None
+        for _ in range(3):  # greedy output equals the unplaced model's, and each prefix keeps its replica
+            for p, want in zip(prompts, expected):
+                got = placed.submit_chat("m", ChatRequest(prompt=p, params=params)).result(timeout=120)
+                assert got["choices"][0]["token_ids"] == want
+            homes = homes or dict(pool._router._homes)
+            assert dict(pool._router._homes) == homes and len(homes) >= 2  # (the warm-up has one too)
+        assert placed.executor.idle()
