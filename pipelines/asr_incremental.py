@@ -34,6 +34,13 @@ class Hypothesis:
     audio_s: float  # seconds of audio the hypothesis covers
 
 
+@dataclass(frozen=True)
+class Utterance:
+    request: TranscriptionRequest | None  # its audio to decode (None: there was none)
+    start_s: float
+    audio_s: float
+
+
 class IncrementalTranscriber:
     """One session's speech recognition state. Feed 16 kHz mono float32 audio as it arrives."""
 
@@ -78,7 +85,7 @@ class IncrementalTranscriber:
         if partial and self._samples - self._decoded_at >= self.partial_every_s * SAMPLE_RATE:
             self._decoded_at = self._samples
             try:
-                text = await self._transcribe(abortable=True)
+                text = await self._partial()
             except StageError as exc:
                 if exc.code != "cancelled" or not self._abort:
                     raise
@@ -88,11 +95,23 @@ class IncrementalTranscriber:
 
     async def endpoint(self) -> Hypothesis:
         """The final hypothesis of the utterance so far (empty text without audio); then a new utterance starts."""
-        text = await self._transcribe() if self._samples else ""
-        final = Hypothesis(text, True, self._start_s, self.buffered_s)
+        utterance = self.take_utterance()
+        text = await self.decode(utterance.request) if utterance.request is not None else ""
+        return Hypothesis(text, True, utterance.start_s, utterance.audio_s)
+
+    def take_utterance(self) -> Utterance:
+        """The utterance so far as a request for its final decode (None without audio), which the caller runs
+        (`decode`, or a graph's asr node); a new utterance starts."""
+        request = self._request() if self._samples else None
+        utterance = Utterance(request, self._start_s, self.buffered_s)
         self._start_s += self.buffered_s
         self._chunks, self._samples, self._decoded_at = [], 0, 0
-        return final
+        return utterance
+
+    async def decode(self, request: TranscriptionRequest) -> str:
+        """The transcript of one utterance's request, through the engine's asr stage."""
+        handle = await asyncio.to_thread(self.engine.submit_transcription, self.model, request)
+        return (await handle.aresult())["text"]
 
     def abort(self) -> None:
         """Cancel the partial decode in flight (nobody needs it any more, e.g. because the endpoint has come):
@@ -101,14 +120,13 @@ class IncrementalTranscriber:
         if self._handle is not None:
             self._handle.cancel()
 
-    async def _transcribe(self, abortable: bool = False) -> str:
-        """Decode the utterance so far; only a partial's decode (`abortable`) can be aborted."""
-        audio = np.concatenate(self._chunks)
-        request = TranscriptionRequest(audio, language=self.language, prompt=self.prompt)
+    def _request(self) -> TranscriptionRequest:
+        return TranscriptionRequest(np.concatenate(self._chunks), language=self.language, prompt=self.prompt)
+
+    async def _partial(self) -> str:
+        """Decode the utterance so far, abortably (`abort`)."""
         self._abort = False
-        handle = await asyncio.to_thread(self.engine.submit_transcription, self.model, request)
-        if not abortable:
-            return (await handle.aresult())["text"]
+        handle = await asyncio.to_thread(self.engine.submit_transcription, self.model, self._request())
         if self._abort:  # abort() came while the request was being submitted
             handle.cancel()
         self._handle = handle

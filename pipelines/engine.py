@@ -41,7 +41,7 @@ from pipelines.served import (
 from pipelines.tts import SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
 from pipelines.vlm import VLMChatModel
-from pipelines.voice_turn import VoiceTurnRequest, turn_graph
+from pipelines.voice_turn import VoiceTurnRequest, fit_prompt, heard_prompt, turn_graph
 from stages.executor import GraphExecutor
 from stages.metrics import Metrics
 from stages.request_state import RequestHandle, settled
@@ -170,16 +170,24 @@ class Engine:
 
     def submit_voice_turn(self, voice: str, request: VoiceTurnRequest, *, fence=None) -> RequestHandle:
         """One turn of a voice model: its chat model's llm streaming phrases into its speech model's tts, one
-        graph (pipelines/voice_turn.py). `fence` (False once the session's epoch has passed) stops both nodes.
+        graph (pipelines/voice_turn.py), after its speech recognition model's asr node when the turn brings the
+        audio of its last utterance (`request.heard`). `fence` (False once the session's epoch has passed) stops
+        every node.
 
-        Events: the llm's DELTAs {"text", ...}; with speech, the tts's DELTAs {"audio", "sample_rate", "piece",
+        Events: with `heard`, OUTPUTS {"outputs": the asr's} first; the llm's DELTAs {"text", ...}; with speech,
+        the tts's DELTAs {"audio", "sample_rate", "piece",
         "text" (on a phrase's first chunk)} in phrase order; FINAL as `turn_graph` says.
         """
         spec = self.voice_model(voice)
-        inputs = {"request": self.chat_model(spec.chat).generation_request(request.chat)}  # the prompt, checked
+        chat = self.chat_model(spec.chat)
         speaker = None if request.speech is None else self.speech_model(spec.tts)
-        graph = turn_graph(spec.chat, spec.tts, request.speech, speaker)
-        return self.run(spec.chat, Execution(graph, inputs), fence=fence)
+        if request.heard is None:
+            graph = turn_graph(spec.chat, spec.tts, request.speech, speaker)
+            return self.run(spec.chat, Execution(graph, {"request": fit_prompt(chat, request.chat)}), fence=fence)
+        heard = self._served_as(spec.asr, ServedTranscription).execution(request.heard.request).inputs["request"]
+        graph = turn_graph(spec.chat, spec.tts, request.speech, speaker, asr=spec.asr, asr_job=heard,
+                           prepare=heard_prompt(chat, request.chat, request.heard))
+        return self.run(spec.chat, Execution(graph, {}), fence=fence)
 
     def chat_model(self, model: str) -> LanguageModel:
         return self._served_as(model, ServedChat).model

@@ -1,13 +1,21 @@
-"""A voice turn as one graph: the chat model's llm node streaming into the speech model's tts node.
+"""A voice turn as one graph: the user's last utterance transcribed, answered by the chat model's llm node,
+streamed phrase by phrase into the speech model's tts node.
 
-    llm  ⇢  tts        (⇢: a streaming edge, stages/graph.py)
+    asr  ->  llm  ⇢  tts        (->: a plain edge; ⇢: a streaming edge, stages/graph.py)
+
+The asr node is there when the session hands the turn the audio of its last utterance (`HeardSpeech`, the
+final decode at the endpoint): its transcript is published to the caller (an OUTPUTS event, so the session
+can announce it before the answer) and the llm node's `prepare` puts it into the prompt, at its message,
+before the prompt is tokenized and checked. Without it (every transcript already final, a text turn) the
+graph starts at the llm, its prompt checked at submit. Either way, a history the model's context cannot
+hold loses its oldest turns first (`fit_prompt`).
 
 The LLM's text deltas are cut into phrases as they come (`PhraseSpeech`, the edge's splitter); each phrase
 is checked and tokenized and becomes one piece of the tts node, so the first phrase is being spoken while
 the LLM still writes the rest. The request's one event stream carries the llm node's text deltas and the
 tts node's audio deltas, the audio in phrase order, each phrase's first chunk with the phrase's text
-(`text`). A turn without audio is the llm node alone. One cancel (or the caller's fence: the voice
-session's epoch) stops both nodes.
+(`text`). A turn without audio has no tts node. One cancel (or the caller's fence: the voice
+session's epoch) stops every node.
 
 FINAL outputs: with audio {"pieces": [tts outputs per phrase], "llm": the llm's outputs}; without, the
 llm's outputs ({"choices", "usage"}).
@@ -20,7 +28,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.chat import ChatRequest
+from pipelines.asr import TranscriptionRequest
+from pipelines.chat import ChatRequest, LanguageModel
 from pipelines.image_request import RequestError
 from pipelines.phrases import PhraseLimits, PhraseSplitter
 from pipelines.tts import SpeechModel, SpeechRequest
@@ -31,10 +40,23 @@ VOICE_PHRASES = PhraseLimits(max_chars=200, first_max_chars=60)
 
 
 @dataclass(frozen=True)
+class HeardSpeech:
+    """The user's last utterance, still to be transcribed: the turn's asr node decodes it."""
+
+    request: TranscriptionRequest  # its audio (and the session's language and prompt)
+    message: int  # the chat message its transcript becomes (a placeholder there until then)
+    earlier: tuple[str, ...] = ()  # transcripts of the item's earlier utterances (one cut at the window's end)
+
+    def transcript(self, text: str) -> str:
+        return " ".join(part for part in (*self.earlier, text.strip()) if part)
+
+
+@dataclass(frozen=True)
 class VoiceTurnRequest:
     chat: ChatRequest  # what the LLM answers
     speech: SpeechRequest | None = None  # how to speak it (voice, speed, rate, tenant; its `input` is unused);
     #                                      None: text only
+    heard: HeardSpeech | None = None  # the utterance the turn transcribes first; None: the chat is complete
 
 
 class PhraseSpeech:
@@ -67,14 +89,51 @@ class PhraseSpeech:
         return pieces
 
 
-def turn_graph(chat: str, tts: str | None, speech: SpeechRequest | None, model: SpeechModel | None) -> StageGraph:
-    """The turn's graph over the chat model's llm pool and, with speech, the speech model's tts pool."""
-    llm = Node("llm", f"{chat}/llm")
+def turn_graph(chat: str, tts: str | None, speech: SpeechRequest | None, model: SpeechModel | None, *,
+               asr: str | None = None, asr_job: Any = None, prepare=None) -> StageGraph:
+    """The turn's graph over the chat model's llm pool and, with speech, the speech model's tts pool; with
+    `asr` (a speech recognition model), an asr node running `asr_job` first, whose outputs `prepare` makes
+    into the llm's inputs."""
+    nodes = []
+    if asr is not None:
+        nodes.append(Node("asr", f"{asr}/asr", params={"request": asr_job}, publish=True))
+        llm = Node("llm", f"{chat}/llm", after=("asr",), prepare=prepare)
+    else:
+        llm = Node("llm", f"{chat}/llm")
+    nodes.append(llm)
     if speech is None:
-        return StageGraph((llm,), "llm")
+        return StageGraph(tuple(nodes), "llm")
     assert tts is not None and model is not None
     split = lambda: PhraseSpeech(model, speech)  # noqa: E731  (a fresh splitter per request)
-    return StageGraph((llm, Node("tts", f"{tts}/tts", stream=Stream("llm", split, carry=("text",)))), "tts")
+    nodes.append(Node("tts", f"{tts}/tts", stream=Stream("llm", split, carry=("text",))))
+    return StageGraph(tuple(nodes), "tts")
+
+
+def fit_prompt(model: LanguageModel, chat: ChatRequest):
+    """The checked prompt of a turn; when the history outgrows the model's context, the oldest turns (after the
+    instructions) are left out until it fits or only the last one is left."""
+    messages = list(chat.messages or [])
+    while True:
+        try:
+            return model.generation_request(dataclasses.replace(chat, messages=messages))
+        except RequestError as exc:
+            if exc.code != "context_length_exceeded" or len(messages) <= 2:
+                raise
+            messages = messages[:1] + messages[2:]
+
+
+def heard_prompt(model: LanguageModel, chat: ChatRequest, heard: HeardSpeech):
+    """The llm node's `prepare` for a turn with an asr node: the transcript goes into its message (an empty one
+    leaves the message out), then the prompt is fitted and checked."""
+    def prepare(inputs: dict[str, Any]) -> dict[str, Any]:
+        messages = list(chat.messages or [])
+        text = heard.transcript(inputs.get("text", ""))
+        if text:
+            messages[heard.message] = {**messages[heard.message], "content": text}
+        else:
+            del messages[heard.message]
+        return {"request": fit_prompt(model, dataclasses.replace(chat, messages=messages))}
+    return prepare
 
 
 def speakable(text: str) -> str:

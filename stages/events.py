@@ -12,6 +12,7 @@ class EventKind(str, enum.Enum):
     STAGE_STARTED = "stage_started"
     PROGRESS = "progress"
     DELTA = "delta"
+    OUTPUTS = "outputs"  # a node's outputs, for nodes that publish them (the voice turn's asr transcript)
     FINAL = "final"
     ERROR = "error"
 

@@ -128,8 +128,19 @@ class GraphExecutor:
             inputs.update(node.params)
             for dep in node.after:
                 inputs.update(run.state.outputs.get(dep, {}))
-            item = WorkItem(run.state, node.name, inputs)
-            self.pools[node.pool].put(item)
+            if node.prepare is not None:
+                try:
+                    inputs = node.prepare(inputs)
+                except StageError as exc:
+                    self._fail(run.state, exc)
+                    return
+                except Exception as exc:  # a bug in the graph's own code: the request fails, the thread goes on
+                    self._fail(run.state, StageError("internal_error", f"{type(exc).__name__}: {exc}"))
+                    return
+                if run.state.should_stop():
+                    return
+            self._count_node(run, node.name, node.pool)
+            self.pools[node.pool].put(WorkItem(run.state, node.name, inputs))
 
     def _on_event(self, run: _Run, event) -> None:
         """A source's delta: the pieces it completes go to their streamed nodes' pools at once."""
@@ -152,10 +163,15 @@ class GraphExecutor:
         if run.state.should_stop():
             return
         pool = self.pools[stream.node.pool]
+        if pieces and pieces[0] == 0:
+            self._count_node(run, name, stream.node.pool)
         for i in pieces:
             inputs = {**run.inputs, **stream.node.params, **stream.pieces[i]}
             route = lambda kind, data, i=i: stream.emit(i, kind, data)  # noqa: E731
             pool.put(WorkItem(run.state, name, inputs, piece=i, route=route))
+
+    def _count_node(self, run: _Run, node: str, pool: str) -> None:
+        self.metrics.stage.graph_nodes.labels(model=run.state.model, node=node, stage=pool).inc()
 
     def _on_done(self, item: WorkItem, outputs: dict[str, Any]) -> None:
         state = item.request
@@ -193,6 +209,8 @@ class GraphExecutor:
             if state.emit(EventKind.FINAL, stage=name, outputs=outputs):
                 self.metrics.stage.graph_requests.labels(model=state.model, outcome="ok").inc()
             return
+        if run.graph.node(name).publish:
+            state.emit(EventKind.OUTPUTS, stage=name, outputs=outputs)
         self._dispatch(run)
 
     def _fail(self, state: RequestState, error: StageError) -> None:

@@ -9,6 +9,7 @@ request's stream in piece order. The node is done when its source is done and ev
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,6 +43,10 @@ class Node:
     after: tuple[str, ...] = ()  # nodes whose outputs this node reads
     params: dict = field(default_factory=dict, hash=False, compare=False)  # node-specific inputs
     stream: Stream | None = field(default=None, hash=False, compare=False)  # a streaming edge into it
+    # The node's inputs, once gathered, made into the ones its stage reads (the voice turn's llm builds its prompt
+    # from the asr node's transcript); a StageError it raises fails the request.
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = field(default=None, hash=False, compare=False)
+    publish: bool = False  # its outputs go to the caller as an OUTPUTS event when it is done (not only the output's)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class StageGraph:
         for spec in nodes:
             node = spec if isinstance(spec, Node) else Node(name=spec[0], pool=spec[1])
             if built and not node.after and node.stream is None:
-                node = Node(node.name, node.pool, (built[-1].name,), node.params)
+                node = dataclasses.replace(node, after=(built[-1].name,))
             built.append(node)
         return cls(tuple(built), built[-1].name)
 

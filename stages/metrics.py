@@ -43,6 +43,9 @@ class StageMetrics:
                                      ["stage", "model"], buckets=TIME_BUCKETS, registry=r)
         self.graph_requests = Counter("mmserve_graph_requests_total", "Graph requests by model and outcome",
                                       ["model", "outcome"], registry=r)
+        self.graph_nodes = Counter("mmserve_graph_nodes_total", "Nodes of graph requests started, by the request's "
+                                   "model, the node and the stage pool that ran it: the path requests take",
+                                   ["model", "node", "stage"], registry=r)
 
     def batch_size_samples(self, stage: str, model: str = "") -> dict[int, float]:
         """Cumulative bucket counts of the batch-size histogram: {upper bound: count <= bound}."""

@@ -428,3 +428,44 @@ def test_the_beta_dialect_is_spoken_when_asked(engine):
     assert not kinds & {"response.output_text.delta", "response.output_audio.delta"}
     assert c.of("session.updated")[0]["session"]["output_audio_format"] == "g711_alaw"
     sdk_check(c.events, beta=True)
+
+
+def _nodes(engine, node: str, pool: str) -> float:
+    return engine.metrics.registry.get_sample_value("mmserve_graph_nodes_total",
+                                                    {"model": "llama-demo", "node": node, "stage": pool}) or 0.0
+
+
+@needs_speech
+def test_a_turn_ended_by_the_vad_transcribes_in_the_responses_graph(engine):
+    """The response that starts at speech_stopped runs the utterance's final decode as its graph's asr node: the
+    transcript is announced as usual (completed, before the answer's item), and it is what the LLM was given;
+    a response cancelled at once hands the decode back, and the lane still finishes the transcript."""
+    words = speech("My friend painted the kitchen table yesterday.")
+
+    async def main():
+        s, c = await open_session(engine)
+        before = _nodes(engine, "asr", "asr/asr")
+        await stream(s.receive, np.concatenate([silence(0.3), words, silence(0.8)]), realtime=False)
+        done = await c.wait_event("response.done")
+        ran = _nodes(engine, "asr", "asr/asr") - before
+        context = await s.context_for(types.SimpleNamespace(params=s._default_params()))
+        await stream(s.receive, np.concatenate([words, silence(0.8)]), realtime=False)
+        created = await c.wait_event("response.created", 2)
+        await send(s, {"type": "response.cancel"})
+        cancelled = await c.wait_event("response.done", 2)
+        second = await c.wait_event("conversation.item.input_audio_transcription.completed", 2)
+        await s.close("test")
+        return c, done, ran, context, created, cancelled, second
+
+    c, done, ran, context, created, cancelled, second = asyncio.run(main())
+    completed = c.of("conversation.item.input_audio_transcription.completed")[0]
+    assert {"friend", "painted", "kitchen", "table"} <= set(completed["transcript"].lower().replace(".", "").split())
+    assert ran == 1  # the final decode was the turn graph's asr node
+    assert done["response"]["status"] in ("completed", "incomplete")
+    added = c.of("response.output_item.added", response_id=done["response"]["id"])[0]
+    assert c.index(completed) < c.index(added)  # the transcript first, then the answer
+    assert [m["content"] for m in context if m["role"] == "user"] == [completed["transcript"]]
+    assert cancelled["response"]["id"] == created["response"]["id"]
+    assert cancelled["response"]["status"] == "cancelled"
+    assert {"friend", "painted", "kitchen", "table"} <= set(second["transcript"].lower().replace(".", "").split())
+    sdk_check(c.events)

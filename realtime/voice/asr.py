@@ -10,6 +10,13 @@ sent: a delta is the words past the text already sent, the last word of a partia
 may be cut mid-word), and nothing when a re-decode revised earlier words. `...completed` carries
 the final transcript, which is what the response is built from (the LLM starts on a stable
 transcript, book ch.21).
+
+A response that starts at the endpoint may take the final decode over (`endpoint(..., claim=True)`): the lane
+hands it the utterance's request (`Claim.handover`) instead of decoding it, the response's turn graph runs it
+as its asr node, ahead of the LLM in the same graph, and hands the transcript back (`Handover.transcript`);
+the lane then announces it as it would its own. A response that lets go first (cancelled, failed, or never
+run the node) hands back None, and the lane decodes the utterance itself: the item's transcript never
+depends on a response that went away.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipelines.asr import TranscriptionRequest
 from pipelines.asr_incremental import IncrementalTranscriber
 
 log = logging.getLogger(__name__)
@@ -34,6 +42,43 @@ class _Op:
     item_id: str
     samples: np.ndarray | None = None
     partials: bool = True  # audio: partial hypotheses may be decoded for it
+
+
+@dataclass
+class Handover:
+    """An utterance's final decode, handed to a response: it sets `transcript` (None: the lane decodes it)."""
+
+    request: TranscriptionRequest
+    earlier: tuple[str, ...]  # the item's transcripts of its earlier utterances
+    transcript: asyncio.Future  # -> str | None
+
+    def give_back(self, text: str | None) -> None:
+        if not self.transcript.done():
+            self.transcript.set_result(text)
+
+
+class Claim:
+    """A response's claim on an item's final decode; `handover` resolves when the lane reaches the endpoint: a
+    Handover, or None when the lane decodes it itself (nothing to decode, the audio cleared, the claim let go)."""
+
+    def __init__(self, item_id: str) -> None:
+        self.item_id = item_id
+        self.handover: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.released = False
+
+    def resolve(self, handover: Handover | None) -> bool:
+        if self.released or self.handover.done():
+            return False
+        self.handover.set_result(handover)
+        return True
+
+    def release(self) -> None:
+        """The response is done with it (whatever happened): a decode it holds goes back to the lane."""
+        self.released = True
+        if not self.handover.done():
+            self.handover.set_result(None)
+        elif (handover := self.handover.result()) is not None:
+            handover.give_back(None)
 
 
 class TranscriptSink:
@@ -55,6 +100,7 @@ class AsrLane:
         self._applied_generation = 0  # the generation whose audio the transcriber holds
         self._ops: asyncio.Queue[_Op] = asyncio.Queue()
         self._finals: dict[str, asyncio.Future] = {}  # item id -> final transcript
+        self._claims: dict[str, Claim] = {}  # item id -> the response that takes over its final decode
         self._parts: dict[str, list[str]] = {}  # item id -> finals of its earlier utterances (forced at 28 s)
         self._sent: dict[str, list[str]] = {}  # item id -> words sent as deltas
         self._audio_s: dict[str, float] = {}
@@ -69,6 +115,8 @@ class AsrLane:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for claim in self._claims.values():
+            claim.resolve(None)
         for future in self._finals.values():
             if not future.done():
                 future.set_result("")
@@ -83,11 +131,16 @@ class AsrLane:
         if len(samples):
             self._ops.put_nowait(_Op("audio", self.generation, item_id, samples, partials))
 
-    def endpoint(self, item_id: str) -> None:
+    def endpoint(self, item_id: str, claim: bool = False) -> Claim | None:
+        """The item's utterance is over; with `claim`, the response about to start takes over its final decode."""
         self.final(item_id)
         self._ops.put_nowait(_Op("endpoint", self.generation, item_id))
         self._endpoints_queued += 1
         self._endpoint_waiting.set()
+        if not claim:
+            return None
+        self._claims[item_id] = Claim(item_id)
+        return self._claims[item_id]
 
     def oneshot(self, item_id: str, samples: np.ndarray) -> None:
         """Transcribe a whole item (conversation.item.create with input audio): its own utterance."""
@@ -98,6 +151,8 @@ class AsrLane:
         """Forget queued audio (input_audio_buffer.clear); the item, if any, resolves to ""."""
         self.generation += 1
         if item_id is not None:
+            if (claim := self._claims.pop(item_id, None)) is not None:
+                claim.resolve(None)
             future = self.final(item_id)
             if not future.done():
                 future.set_result("")
@@ -132,6 +187,8 @@ class AsrLane:
                 if not self._endpoints_queued:
                     self._endpoint_waiting.clear()
             if op.generation != self.generation:
+                if op.kind == "endpoint" and (claim := self._claims.pop(op.item_id, None)) is not None:
+                    claim.resolve(None)
                 continue
             if op.generation != self._applied_generation:  # the input buffer was cleared: drop what it held
                 self.transcriber, self._applied_generation = self.make_transcriber(), op.generation
@@ -149,15 +206,37 @@ class AsrLane:
                     else:
                         await self._partial(op.item_id, h.text)
             elif op.kind == "endpoint":
-                final = await self.transcriber.endpoint()
+                transcriber = self.transcriber
+                utterance = transcriber.take_utterance()
                 self.transcriber = self.make_transcriber()  # the next utterance: the session's current settings
-                await self._finish(op.item_id, final.text)
+                await self._finish(op.item_id, await self._final_text(op.item_id, transcriber, utterance.request))
             else:  # oneshot: its own transcriber, so an utterance in progress is not disturbed
                 transcriber = self.make_transcriber()
                 hypotheses = await transcriber.feed(op.samples, partial=False)
                 self._parts.setdefault(op.item_id, []).extend(h.text.strip() for h in hypotheses if h.final)
                 self._audio_s[op.item_id] = len(op.samples) / 16000
                 await self._finish(op.item_id, (await transcriber.endpoint()).text)
+
+    async def _final_text(self, item_id: str, transcriber: IncrementalTranscriber,
+                          request: TranscriptionRequest | None) -> str:
+        """The utterance's final transcript: decoded by the response that claimed it, else here."""
+        claim = self._claims.pop(item_id, None)
+        if request is None:
+            if claim is not None:
+                claim.resolve(None)
+            return ""
+        if claim is not None:
+            earlier = tuple(self._parts.get(item_id, []))
+            handover = Handover(request, earlier, asyncio.get_running_loop().create_future())
+            if claim.resolve(handover):
+                try:
+                    text = await handover.transcript
+                except asyncio.CancelledError:  # the lane is closing
+                    handover.give_back(None)
+                    raise
+                if text is not None:
+                    return text
+        return await transcriber.decode(request)
 
     async def _feed_partial(self, samples: np.ndarray) -> list:
         """Feed with a partial decode, aborted when an endpoint is queued meanwhile: the final decode (what the
@@ -198,6 +277,8 @@ class AsrLane:
         await self.sink.transcript_done(item_id, transcript, self._audio_s.pop(item_id, 0.0))
 
     async def _fail(self, item_id: str, exc: Exception) -> None:
+        if (claim := self._claims.pop(item_id, None)) is not None:
+            claim.resolve(None)
         self._parts.pop(item_id, None)
         self._sent.pop(item_id, None)
         self._audio_s.pop(item_id, None)

@@ -18,6 +18,7 @@ from realtime.voice.protocol import ProtocolError
 from realtime.voice.vad import SAMPLE_RATE
 
 if TYPE_CHECKING:
+    from realtime.voice.asr import Claim
     from realtime.voice.session import Inbound
 
 
@@ -76,9 +77,12 @@ class InputBufferControl:
             return
         await self.emit({"type": "input_audio_buffer.speech_stopped",
                          "audio_end_ms": vad_event.sample * 1000 // SAMPLE_RATE, "item_id": item_id})
-        await self._commit_item(item_id)
-        if self.config.turn_detection.create_response and self.response is None:
-            await self._start_response(self._default_params(), now)
+        respond = self.config.turn_detection.create_response and self.response is None
+        claim = await self._commit_item(item_id, respond)  # the response takes the final decode into its graph
+        if respond and self.response is None:
+            await self._start_response(self._default_params(), now, claim)
+        elif claim is not None:
+            claim.release()
 
     async def _commit_buffer(self, event: dict, inbound: Inbound) -> None:
         self.disarm_idle()
@@ -86,11 +90,13 @@ class InputBufferControl:
         self._announced.setdefault(item_id, asyncio.Event())
         await self._commit_item(item_id)
 
-    async def _commit_item(self, item_id: str) -> None:
-        """The pending audio is a user item now; its transcript follows when the ASR lane finishes it."""
+    async def _commit_item(self, item_id: str, respond: bool = False) -> Claim | None:
+        """The pending audio is a user item now; its transcript follows when the ASR lane finishes it (or, with
+        `respond`, the response about to start, whose claim on the final decode this returns)."""
         item = Item(item_id, "user", "audio", transcript=self.asr.final(item_id))
-        self.asr.endpoint(item_id)
+        claim = self.asr.endpoint(item_id, claim=respond)
         await self._add_user_audio(item)
+        return claim
 
     async def _add_user_audio(self, item: Item) -> None:
         item_id = item.id

@@ -1,6 +1,9 @@
-"""One response of a voice session: the turn's graph (LLM ⇢ TTS, one engine request), then paced audio deltas.
+"""One response of a voice session: the turn's graph (ASR -> LLM ⇢ TTS, one engine request), then paced audio.
 
-The engine runs the cascade as one graph with a streaming edge (pipelines/voice_turn.py): the LLM's
+The engine runs the cascade as one graph with a streaming edge (pipelines/voice_turn.py): when the
+response starts at the end of the user's turn, its graph's asr node makes the final decode of the
+utterance (taken over from the session's ASR lane, which announces the transcript as its own) and the
+LLM starts on that stable text in the same graph; the LLM's
 text is cut into phrases while it is written and each phrase is spoken by the TTS, its audio in
 order in the same event stream. Two loops run per response, both fenced by the session's epoch
 (book ch.21): the reader of the turn's events (text deltas out; audio to the sender) and the sender
@@ -21,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipelines.chat import ChatRequest
-from pipelines.image_request import RequestError
 from pipelines.tts import SpeechRequest
-from pipelines.voice_turn import VoiceTurnRequest
+from pipelines.voice_turn import HeardSpeech, VoiceTurnRequest
 from realtime.voice.audio_codec import AudioFormat
 from realtime.voice.items import Item, Phrase
 from realtime.voice.protocol import ResponseParams, event_name
@@ -31,6 +33,7 @@ from stages.events import EventKind, StageError
 from stages.llm.params import SamplingParams
 
 if TYPE_CHECKING:
+    from realtime.voice.asr import Claim
     from realtime.voice.session import VoiceSession
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ class Response:
     generated_ms: float = 0.0  # audio laid out on the item so far (sent or about to be)
     usage: dict[str, int] = field(default_factory=dict)
     late_deltas: int = 0  # audio deltas sent after the interruption was seen (must stay 0)
+    claim: Claim | None = None  # its claim on the final decode of the utterance that ended the turn
 
     @property
     def output_rate(self) -> int:
@@ -95,6 +99,8 @@ class Response:
     def stop(self) -> None:
         """Cancel what runs for this response (the epoch has been bumped already)."""
         self.stopped = True
+        if self.claim is not None:
+            self.claim.release()
         for handle in self.handles:
             handle.cancel()
         for task in self.tasks:
@@ -122,12 +128,14 @@ class ResponseRunner:
         s, r = self.s, self.r
         status, reason, error = "completed", None, None
         try:
-            messages = await s.context_for(r)  # waits for the final transcripts: the LLM starts on stable text
+            messages, heard = await s.turn_context(r)  # waits for final transcripts: the LLM starts on stable text
             if not self.current():
                 return
-            r.timings.asr_final = s.clock()
-            await s.open_output_item(r)
-            finish = await self._generate(messages)
+            if heard is None:  # every transcript is final already (or the lane decodes the last one after all)
+                if r.claim is not None:
+                    r.claim.release()
+                await self._open()
+            finish = await self._generate(messages, heard)
             if finish == "length":
                 status, reason = "incomplete", "max_output_tokens"
         except StaleResponse:
@@ -142,16 +150,36 @@ class ResponseRunner:
         except Exception as exc:  # the response fails; the session goes on
             log.exception("voice response %s failed", r.id)
             status, error = "failed", {"type": "server_error", "code": "internal_error", "message": str(exc)}
+        finally:
+            if r.claim is not None:
+                r.claim.release()
         if self.current():
             await s.complete_response(r, status, reason, error)
 
-    async def _generate(self, messages: list[dict[str, str]]) -> str | None:
+    async def _open(self) -> None:
+        """Every user transcript is final: the assistant item opens (its events follow the transcript's)."""
+        self.r.timings.asr_final = self.s.clock()
+        await self.s.open_output_item(self.r)
+
+    async def _heard(self, text: str) -> None:
+        """The graph's asr node is done: the lane announces its transcript; then the answer's item opens (the
+        llm node has been dispatched already; its deltas wait in the request's stream meanwhile)."""
+        s, r = self.s, self.r
+        assert r.claim is not None
+        r.timings.llm_submit = s.clock()
+        r.claim.handover.result().give_back(text)
+        await asyncio.shield(s.asr.final(r.claim.item_id))
+        if not self.current():
+            raise StaleResponse
+        await self._open()
+
+    async def _generate(self, messages: list[dict[str, str]], heard: HeardSpeech | None) -> str | None:
         r = self.r
         audio: asyncio.Queue | None = asyncio.Queue() if r.audio else None
         if audio is not None:
             r.tasks = [asyncio.create_task(self._send(audio), name=f"send-{r.id}")]
         try:
-            finish = await self._turn(messages, audio)
+            finish = await self._turn(messages, heard, audio)
         except BaseException:
             for task in r.tasks:
                 task.cancel()
@@ -178,21 +206,28 @@ class ResponseRunner:
         self.r.handles.append(handle)
         return handle
 
-    async def _turn(self, messages: list[dict[str, str]], audio: asyncio.Queue | None) -> str | None:
-        """The turn's one graph (llm ⇢ tts, pipelines/voice_turn.py): text deltas go out as transcript (or text)
-        deltas, audio deltas, in phrase order, to the sender. Returns the LLM's finish reason."""
+    async def _turn(self, messages: list[dict[str, str]], heard: HeardSpeech | None,
+                    audio: asyncio.Queue | None) -> str | None:
+        """The turn's one graph ([asr ->] llm ⇢ tts, pipelines/voice_turn.py): the transcript goes back to the lane,
+        text deltas go out as transcript (or text) deltas, audio deltas, in phrase order, to the sender. Returns
+        the LLM's finish reason."""
         s, r = self.s, self.r
         params = SamplingParams(temperature=r.params.temperature, max_tokens=r.params.max_output_tokens,
                                 seed=s.spec.seed)
+        speech = SpeechRequest("", voice=r.voice, speed=r.speed, sample_rate=r.output_rate,
+                               tenant=s.tenant) if r.audio else None
+        request = VoiceTurnRequest(ChatRequest(messages=messages, params=params, tenant=s.tenant), speech, heard)
         r.timings.llm_submit = s.clock()
-        handle = await self._submit_turn(messages, params)
+        handle = await self._submit(s.engine.submit_voice_turn, s.spec.name, request, fence=self.current)
         finish = None
         name = "response.output_audio_transcript.delta" if r.audio else "response.output_text.delta"
         try:
             async for event in handle:
                 if not self.current():
                     raise StaleResponse
-                if event.kind is EventKind.DELTA and event.stage == "llm":
+                if event.kind is EventKind.OUTPUTS and event.stage == "asr":
+                    await self._heard(event.data["outputs"].get("text", ""))
+                elif event.kind is EventKind.DELTA and event.stage == "llm":
                     text, finish = event.data.get("text", ""), event.data.get("finish_reason") or finish
                     if not text:
                         continue
@@ -220,20 +255,6 @@ class ResponseRunner:
             if audio is not None:
                 audio.put_nowait(None)  # the sender ends too (after what it has), whatever happened here
         return finish
-
-    async def _submit_turn(self, messages: list[dict[str, str]], params: SamplingParams):
-        """Submit the turn; when the history outgrows the model's context, the oldest turns are left out."""
-        s, r = self.s, self.r
-        speech = SpeechRequest("", voice=r.voice, speed=r.speed, sample_rate=r.output_rate,
-                               tenant=s.tenant) if r.audio else None
-        while True:
-            request = VoiceTurnRequest(ChatRequest(messages=messages, params=params, tenant=s.tenant), speech)
-            try:
-                return await self._submit(s.engine.submit_voice_turn, s.spec.name, request, fence=self.current)
-            except RequestError as exc:
-                if exc.code != "context_length_exceeded" or len(messages) <= 2:
-                    raise
-                messages = messages[:1] + messages[2:]
 
     async def _send(self, audio: asyncio.Queue) -> None:
         """Cut into delta_ms pieces; wait while the client holds max_lead_ms unplayed; hand to the sink."""

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from pipelines.voice_turn import HeardSpeech
 from realtime.voice.items import Item, new_id
 from realtime.voice.protocol import ProtocolError, ResponseParams, event_name, parse_response_params
 from realtime.voice.response import Response, ResponseRunner, Timings, response_object
 
 if TYPE_CHECKING:
+    from realtime.voice.asr import Claim, Handover
     from realtime.voice.session import Inbound
 
 
@@ -56,12 +58,18 @@ class ResponseControl:
         c = self.config
         return ResponseParams(c.output_modalities, c.instructions, c.max_output_tokens, c.temperature)
 
-    async def _start_response(self, params: ResponseParams, start: float) -> None:
+    async def _start_response(self, params: ResponseParams, start: float, claim: Claim | None = None) -> None:
+        """`claim`: the response runs the final decode of the utterance that ended the turn as its graph's asr node
+        (realtime/voice/asr.py)."""
         self.disarm_idle()
         c = self.config
         audio = "audio" in params.output_modalities
         item = Item(new_id("item"), "assistant", "audio" if audio else "text", status="in_progress")
         r = Response(new_id("resp"), self.epoch, params, item, c.voice, c.speed, c.output_format, Timings(start))
+        if claim is not None and params.input_items is None:
+            r.claim = claim
+        elif claim is not None:
+            claim.release()
         self.response = r
         self._voice_used = self._voice_used or audio
         await self.emit({"type": "response.created", "response": self._response_body(r, "in_progress")})
@@ -69,16 +77,40 @@ class ResponseControl:
 
     async def context_for(self, r: Response) -> list[dict[str, str]]:
         """The chat messages of a response, once every user transcript in them is final (the LLM gate)."""
+        return (await self._context(r, None))[0]
+
+    async def turn_context(self, r: Response) -> tuple[list[dict[str, str]], HeardSpeech | None]:
+        """context_for, except when the response took over the final decode of the utterance that ended the turn:
+        then that item's message is a placeholder its graph's asr node fills (the HeardSpeech), and only the
+        other transcripts are waited for."""
+        if r.claim is None or r.params.input_items is not None:
+            return await self._context(r, None)
+        claim = r.claim
+        handover = await asyncio.shield(claim.handover)
+        pending = [item for item in self.conversation if item.id != claim.item_id
+                   and item.transcript is not None and not item.transcript.done()]
+        if handover is None or pending:  # a later item waits for the lane, which would wait for this response
+            claim.release()
+            return await self._context(r, None)
+        return await self._context(r, (claim.item_id, handover))
+
+    async def _context(self, r: Response, heard: tuple[str, Handover] | None):
+        system = [{"role": "system", "content": r.params.instructions}]
         if r.params.input_items is not None:
             turns = [(spec["role"], spec["text"]) for spec in r.params.input_items]
-        else:
-            items = list(self.conversation)
-            for item in items:
-                if item.transcript is not None and not item.transcript.done():
-                    await asyncio.shield(item.transcript)
-            turns = [(item.role, item.history_text) for item in items]
-        return [{"role": "system", "content": r.params.instructions}] + \
-            [{"role": role, "content": text} for role, text in turns if text.strip()]
+            return system + [{"role": role, "content": text} for role, text in turns if text.strip()], None
+        items = list(self.conversation)
+        for item in items:
+            if (heard is None or item.id != heard[0]) and item.transcript is not None and not item.transcript.done():
+                await asyncio.shield(item.transcript)
+        messages, speech = list(system), None
+        for item in items:
+            if heard is not None and item.id == heard[0]:
+                speech = HeardSpeech(heard[1].request, len(messages), heard[1].earlier)
+                messages.append({"role": item.role, "content": ""})
+            elif item.history_text.strip():
+                messages.append({"role": item.role, "content": item.history_text})
+        return messages, speech
 
     async def open_output_item(self, r: Response) -> None:
         """The assistant item enters the conversation and the client hears of it (after the LLM gate)."""
