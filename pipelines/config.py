@@ -197,8 +197,29 @@ class EngineConfig:
     cpu_threads: int | None = None
     voices: tuple[VoiceSpec, ...] = ()  # realtime voice models, composed of the models above
     realtime: RealtimeConfig = RealtimeConfig()
+    # Where the model stages run (DESIGN §3): "local", threads in this process; "ray", each pool replica a Ray actor
+    # (pipelines/ray_backend.py; `pip install "mmserve[ray]"`), on the cluster at `ray_address` ("HOST:PORT" of its
+    # head), or, without one, on a Ray instance started on this machine.
+    backend: str = "local"
+    ray_address: str | None = None
 
     def __post_init__(self):
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"engine.backend must be 'local' or 'ray', got {self.backend!r}")
+        if self.ray_address is not None:
+            host, _, port = str(self.ray_address).rpartition(":")
+            if self.backend != "ray":
+                raise ValueError("engine.ray_address is for backend = 'ray'; set engine.backend = 'ray' (or drop it)")
+            if not host or not port.isdigit():
+                raise ValueError(f"engine.ray_address must be HOST:PORT of the Ray head (127.0.0.1:6379), got "
+                                 f"{self.ray_address!r}")
+        if self.backend != "ray":
+            for spec in self.models:
+                for kind, pool in spec.pools.items():
+                    for key in ("resources", "num_gpus"):
+                        if getattr(pool, key):
+                            raise ValueError(f"model {spec.name}: pools.{kind}.{key} places a pool on Ray; it needs "
+                                             f"engine.backend = 'ray'")
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int)
                                              or self.cpu_threads < 1):
             raise ValueError(f"engine.cpu_threads must be a whole number >= 1 (or unset: twice the CPUs this process "

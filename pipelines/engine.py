@@ -48,6 +48,7 @@ from stages.request_state import RequestHandle, settled
 from stages.thread_budget import ThreadBudget, one_thread
 
 if TYPE_CHECKING:
+    from pipelines.ray_backend import RayCluster
     from stages.media.pool import MediaPool
 
 # Re-exported: what callers of the engine name (the model object, the Python API's task rule).
@@ -73,12 +74,17 @@ class Engine:
         self._media_lock = threading.Lock()
         self._ready = threading.Event()
         self.load_error: str | None = None
+        self._ray: RayCluster | None = None  # backend = "ray": the cluster the model stages run on
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Load every model, start the pools, warm each model with one tiny request; then ready."""
         self.executor.start()
         try:
+            if self.config.backend == "ray":  # the address and every pool's resources checked before any load
+                from pipelines.ray_backend import RayCluster
+
+                self._ray = RayCluster.connect(self.config)
             with one_thread():  # no OpenMP team of this thread beside the stage workers' (thread_budget.one_thread)
                 for spec in self.config.models:
                     self._load(spec)
@@ -96,6 +102,19 @@ class Engine:
         self.executor.shutdown()
         if self._media is not None:
             self._media.close()
+        if self._ray is not None:
+            self._ray.close()
+
+    def health(self) -> dict[str, str]:
+        """Each served model's replicas: "ok"; "degraded" while a pool has lost some (a restart is under way);
+        "down" while one of its pools has none live."""
+        states = {}
+        for name in self._served:
+            pools = [p for key, p in self.executor.pools.items() if key.startswith(f"{name}/")]
+            live = [(p.live_replicas(), p.config.replicas) for p in pools]
+            states[name] = ("down" if any(n == 0 for n, _ in live) else
+                            "degraded" if any(n < total for n, total in live) else "ok")
+        return states
 
     @property
     def ready(self) -> bool:
@@ -107,8 +126,11 @@ class Engine:
                               self.config.media)
         load = lambda s: served_class(family)(s, family, context, _random_weights(spec))  # noqa: E731
         served: ServedModel = load(spec)
-        for name, stages, config in placed_stages(spec, served, load):  # placed pools: a copy per replica
-            self.executor.add_pool(name, stages, config)
+        if self._ray is not None:  # each replica an actor with its own copy; this one answers checks and batch keys
+            self._ray.add_pools(self.executor, spec, family, served, _random_weights(spec))
+        else:
+            for name, stages, config in placed_stages(spec, served, load):  # placed pools: a copy per replica
+                self.executor.add_pool(name, stages, config)
         self._served[spec.name] = served
         self._specs[spec.name] = spec
         self.models[spec.name] = served.info

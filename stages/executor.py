@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stages.events import CapacityError, ErrorKind, EventKind, StageError
@@ -40,10 +40,12 @@ class GraphExecutor:
         self._started = False
 
     # -- set-up -------------------------------------------------------------------------
-    def add_pool(self, name: str, stage: Stage | Sequence[Stage], config: PoolConfig | None = None) -> StagePool:
+    def add_pool(self, name: str, stage: Stage | Sequence[Stage], config: PoolConfig | None = None, *,
+                 pool_class: Callable[..., StagePool] = StagePool) -> StagePool:
+        """`pool_class`: StagePool (threads here), or one with StagePool's signature (the ray backend's)."""
         if name in self.pools:
             raise ValueError(f"pool {name!r} already exists")
-        pool = StagePool(name, stage, config or PoolConfig(), self.metrics, self._on_done, self._on_drop, self.budget)
+        pool = pool_class(name, stage, config or PoolConfig(), self.metrics, self._on_done, self._on_drop, self.budget)
         self.pools[name] = pool
         if self._started:
             pool.start()

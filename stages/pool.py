@@ -43,6 +43,10 @@ class PoolConfig:
     # copy of the stage's weights; items are routed to replicas (stages/placement.py). Empty: every replica on
     # `device`, sharing one stage object. With devices and replicas left at 1, there is one replica per device.
     devices: tuple[str, ...] = ()
+    # The ray backend only (pipelines/ray_backend.py): what each replica's actor asks Ray for besides `threads`
+    # CPUs. Custom resources pin a pool to the nodes that have them (`{"node_b": 1}`); a fractional GPU shares one.
+    resources: tuple[tuple[str, float], ...] = ()  # (name, amount) pairs; a TOML table {name = amount} is taken too
+    num_gpus: float = 0.0
 
     def __post_init__(self):
         if self.replicas < 1:
@@ -61,6 +65,16 @@ class PoolConfig:
                                  f"needs one entry per replica")
             for i, device in enumerate(self.devices):
                 check_device(device, f"devices[{i}]")
+        try:
+            resources = dict(self.resources)
+        except (TypeError, ValueError):
+            raise ValueError(f"resources must map resource names to amounts, got {self.resources!r}") from None
+        if not all(isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                   for k, v in resources.items()):
+            raise ValueError(f"resources must map resource names to amounts > 0, got {self.resources!r}")
+        object.__setattr__(self, "resources", tuple(sorted((k, float(v)) for k, v in resources.items())))
+        if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, (int, float)) or self.num_gpus < 0:
+            raise ValueError(f"num_gpus must be a number >= 0 (0.5: half a GPU), got {self.num_gpus!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_delay_ms < 0:
@@ -80,6 +94,8 @@ DropFn = Callable[[WorkItem, StageError | None], None]
 
 
 class StagePool:
+    labels_replicas_now = True  # False: a remote pool labels its replicas once it knows their nodes
+
     def __init__(self, name: str, stage: Stage | Sequence[Stage], config: PoolConfig, metrics: Metrics,
                  on_done: DoneFn, on_drop: DropFn, budget: ThreadBudget | None = None):
         """`stage`: one stage object the replicas share, or (a placed pool) one per replica, on its device."""
@@ -110,13 +126,18 @@ class StagePool:
         self._m_depth = metrics.stage.queue_depth.labels(**labels)
         self._m_active = metrics.stage.active.labels(**labels)
         self._m_thread_wait = metrics.stage.thread_wait.labels(**labels)
-        replica = metrics.part(ReplicaMetrics)
-        self._m_replica = [{series: getattr(replica, series).labels(**labels, replica=str(i), device=str(dev),
-                                                                   node="local")
-                            for series in ("queue_age", "run_time", "batch_size", "items", "live", "transfer_time",
-                                           "transfer_bytes")} for i, dev in enumerate(self.devices)]
-        for m in self._m_replica:
+        self._m_replica = self._replica_series(["local"] * config.replicas) if self.labels_replicas_now else []
+
+    def _replica_series(self, nodes: Sequence[str]) -> list[dict[str, Any]]:
+        """Each replica's series, labelled with its device and node (its Ray node id; "local" in this process)."""
+        replica = self.metrics.part(ReplicaMetrics)
+        labels = dict(stage=self.name, model=self.stage.model)
+        series = [{s: getattr(replica, s).labels(**labels, replica=str(i), device=str(dev), node=node)
+                   for s in ("queue_age", "run_time", "batch_size", "items", "live", "transfer_time", "transfer_bytes")}
+                  for i, (dev, node) in enumerate(zip(self.devices, nodes, strict=True))]
+        for m in series:
             m["live"].set(1)
+        return series
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -160,6 +181,15 @@ class StagePool:
     def queue_len(self) -> int:
         with self._cond:
             return len(self._queue)
+
+    def wake(self) -> None:
+        """Let waiting workers look again (a request stopped: its queued items are purged now)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def live_replicas(self) -> int:
+        """Replicas that can take work now (a remote pool's lost ones are not, until they are back)."""
+        return self.config.replicas
 
     def _load(self, replica: int) -> int:
         """Items queued for a replica plus those in its hands (caller holds the lock)."""

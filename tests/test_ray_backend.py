@@ -1,0 +1,275 @@
+"""The ray backend on a two-node Ray cluster on loopback: placement by a custom resource, an image equal to the
+local backend's, progress step by step, cancel within a step, a chat model equal to generate(), and kill -9 of a
+replica's process.
+
+Ray must not bind anything but loopback here (../shared/notes/distributed.md), so this module's tests run in a
+fresh network and PID namespace: the test that pytest collects outside (`test_on_ray[case]`) runs this same file
+again under `unshare --net --pid --fork --mount-proc`, where only `lo` exists and every process Ray starts dies
+with the namespace; there a module fixture starts the head and a second node (with the resource `node_b`) and
+`ray stop --force` ends them (it sees only the namespace's processes). Skips when ray is not installed or the
+namespace is not permitted, except under CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+INSIDE = os.environ.get("MMSERVE_RAY_NETNS") == "1"
+CASES = ["test_cluster_is_on_loopback", "test_image_equals_local_and_progress_streams", "test_cancel_within_a_step",
+         "test_chat_greedy_equals_generate_token_by_token", "test_kill_9_fails_only_in_flight_items",
+         "test_startup_errors_name_the_key"]
+INNER_TIMEOUT_S = 300
+PORT = 6390
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def _cannot_run() -> str | None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "ray is not installed (pip install -e '.[ray]'; make test installs it)"
+    try:
+        ok = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
+                            timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return None if ok else "a network namespace is not permitted here (unshare --net --pid failed)"
+
+
+if not INSIDE:
+    @pytest.fixture(scope="module")
+    def inner_results(tmp_path_factory):
+        """Run this file inside the namespace once; {test name: (outcome, message)} from its JUnit report."""
+        reason = _cannot_run()
+        if reason is not None:
+            if _in_ci():
+                pytest.fail(f"CI=true: the Ray tests must run, but {reason}")
+            pytest.skip(reason)
+        out = tmp_path_factory.mktemp("ray")
+        report = out / "junit.xml"
+        script = 'ip link set lo up && "$@"'
+        cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "bash", "-c", script, "_", sys.executable,
+               "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", f"--junitxml={report}", __file__]
+        env = {**os.environ, "MMSERVE_RAY_NETNS": "1", "MMSERVE_RAY_TMP": str(out)}
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=INNER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the namespace's first process: everything in it ends with it
+            output, _ = proc.communicate()
+            pytest.fail(f"the Ray tests ran past {INNER_TIMEOUT_S} s:\n{output[-4000:]}")
+        print(output[-3000:])
+        if not report.exists():
+            pytest.fail(f"the Ray tests wrote no report (exit {proc.returncode}):\n{output[-4000:]}")
+        results = {}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+            skipped = case.find("skipped")
+            outcome = "failed" if failed is not None else "skipped" if skipped is not None else "passed"
+            node = failed if failed is not None else skipped
+            results[case.get("name")] = (outcome, "" if node is None else (node.get("message", "") + "\n" +
+                                                                           (node.text or ""))[-4000:])
+        return results
+
+    @pytest.mark.parametrize("case", CASES)
+    def test_on_ray(inner_results, case):
+        outcome, message = inner_results.get(case, ("missing", "did not run (an earlier case failed: -x)"))
+        assert outcome == "passed", f"{case} {outcome}:\n{message}"
+
+else:
+    import numpy as np
+    import ray
+
+    from pipelines.config import EngineConfig, ModelSpec
+    from pipelines.engine import Engine
+    from pipelines.image_request import ImageRequest
+    from stages.events import ErrorKind, EventKind, StageError
+    from stages.pool import PoolConfig
+
+    ADDRESS = f"127.0.0.1:{PORT}"
+    RAY = str(Path(sys.executable).with_name("ray"))
+
+    def _ray(*args: str) -> None:
+        subprocess.run([RAY, *args], check=True, capture_output=True, timeout=120,
+                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+
+    @pytest.fixture(scope="module")
+    def cluster():
+        """A head (resource node_a) and a second node (node_b), 4 logical CPUs each, a small object store."""
+        temp = Path(os.environ.get("MMSERVE_RAY_TMP", "/tmp")) / "r"
+        common = ["--num-cpus=4", "--object-store-memory=150000000", "--disable-usage-stats"]
+        try:
+            _ray("start", "--head", f"--port={PORT}", "--include-dashboard=false", f"--temp-dir={temp}",
+                 '--resources={"node_a": 100}', *common)
+            _ray("start", f"--address={ADDRESS}", '--resources={"node_b": 100}', *common)
+            ray.init(address=ADDRESS, namespace="mmserve-test", log_to_driver=False)
+            yield ray.nodes()
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=60)
+
+    @pytest.fixture(scope="module")
+    def sd_path(tmp_path_factory):
+        from pipelines.demo import build_demo_model
+
+        return str(build_demo_model("sd", tmp_path_factory.mktemp("sd-demo") / "sd"))
+
+    def _node_with(nodes, resource: str) -> str:
+        return next(n["NodeID"] for n in nodes if resource in n["Resources"])
+
+    # text encoder and VAE on the head, the denoiser's two replicas on the second node.
+    SD_POOLS = {"text_encode": PoolConfig(resources={"node_a": 1}),
+                "denoise": PoolConfig(replicas=2, max_batch_size=2, resources={"node_b": 1}),
+                "vae_decode": PoolConfig(resources={"node_a": 1})}
+
+    @pytest.fixture(scope="module")
+    def sd_ray(cluster, sd_path):
+        engine = Engine(EngineConfig(models=(ModelSpec("m", sd_path, pools=SD_POOLS),), backend="ray",
+                                     ray_address=ADDRESS))
+        engine.start()
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+
+    def _image(engine, seed: int, steps: int = 4, size: int = 64):
+        request = ImageRequest(prompt="a red cube", width=size, height=size, num_inference_steps=steps, seed=seed)
+        return engine.submit_image("m", request)
+
+    def test_cluster_is_on_loopback(cluster):
+        alive = [n for n in cluster if n["Alive"]]
+        assert len(alive) == 2
+        assert all(n["NodeManagerAddress"] == "127.0.0.1" for n in alive), [n["NodeManagerAddress"] for n in alive]
+        assert sum("node_b" in n["Resources"] for n in alive) == 1
+
+    def test_image_equals_local_and_progress_streams(cluster, sd_ray, sd_path):
+        pools = sd_ray.executor.pools
+        node_b, head = _node_with(cluster, "node_b"), _node_with(cluster, "node_a")
+        assert [i.node_id for i in pools["m/denoise"].nodes] == [node_b, node_b]
+        assert pools["m/text_encode"].nodes[0].node_id == head and pools["m/vae_decode"].nodes[0].node_id == head
+        assert all(i.node_ip == "127.0.0.1" for p in ("m/text_encode", "m/denoise") for i in pools[p].nodes)
+        handle = _image(sd_ray, seed=7, steps=5)
+        progress, arrived = [], []
+        for event in handle.events(timeout=120):
+            if event.kind is EventKind.PROGRESS:
+                progress.append(event.data["step"])
+                arrived.append(time.monotonic())
+            if event.kind is EventKind.FINAL:
+                got = event.data["outputs"]["pixels"]
+        assert progress == [1, 2, 3, 4, 5]
+        assert arrived[-1] - arrived[0] > 0  # one event per step, as the steps ran (not all at the end)
+        from tests.helpers import running_engine
+
+        # The local backend with the same torch threads per denoise worker (two replicas share the cores there).
+        with running_engine(sd_path, pools={"denoise": PoolConfig(threads=1)}) as local:
+            want = _image(local, seed=7, steps=5).result(timeout=120)["pixels"]
+        np.testing.assert_array_equal(got, want)  # bit for bit on the CPU
+
+    def test_cancel_within_a_step(sd_ray):
+        pool = sd_ray.executor.pools["m/denoise"]
+        handle = _image(sd_ray, seed=1, steps=200)
+        seen = []
+        for event in handle.events(timeout=120):
+            if event.kind is EventKind.PROGRESS:
+                seen.append(time.monotonic())
+                if len(seen) == 3:
+                    break
+        step_s = (seen[-1] - seen[0]) / 2
+        cancelled = time.monotonic()
+        handle.cancel()
+        while not pool.idle:  # the actor dropped the item at its next step boundary
+            assert time.monotonic() - cancelled < 30
+            time.sleep(0.002)
+        took = time.monotonic() - cancelled
+        with pytest.raises(StageError) as info:
+            handle.result(timeout=5)
+        assert info.value.kind is ErrorKind.CANCELLED
+        assert took < 2 * step_s + 0.05, (took, step_s)  # the step in flight, its stop message, and no more
+        assert sd_ray.executor.idle()
+
+    def test_chat_greedy_equals_generate_token_by_token(cluster, tmp_path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from pipelines.chat import ChatRequest, LLMConfig
+        from pipelines.demo import build_demo_model
+        from stages.llm.params import SamplingParams
+
+        path = str(build_demo_model("llama", tmp_path / "llama"))
+        prompt = list(range(5, 25))
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        pools = {"llm": PoolConfig(max_batch_size=4096, max_queue=256, resources={"node_b": 1})}
+        config = EngineConfig(models=(ModelSpec("m", path, family="causal-lm", llm=LLMConfig(kv_cache_mb=8),
+                                                pools=pools),), backend="ray", ray_address=ADDRESS)
+        engine = Engine(config)
+        engine.start()
+        try:
+            handles = [engine.submit_chat("m", ChatRequest(prompt=prompt, params=params)) for _ in range(8)]
+            outputs = []
+            for handle in handles:
+                deltas = [e for e in handle.events(timeout=120) if e.kind is EventKind.DELTA]
+                outputs.append((deltas, handle.result(timeout=5)["choices"][0]["token_ids"]))
+            assert engine.executor.idle()
+        finally:
+            engine.shutdown()
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        want = ref[0, len(prompt):].tolist()
+        for deltas, ids in outputs:
+            assert ids == want
+            assert len(deltas) == 8  # one delta a token, streamed
+
+    def test_kill_9_fails_only_in_flight_items(sd_ray):
+        pool = sd_ray.executor.pools["m/denoise"]
+        assert sd_ray.health() == {"m": "ok"}
+        handles = [_image(sd_ray, seed=s, steps=6) for s in range(20)]
+        while not pool._running:  # a replica has items in flight
+            time.sleep(0.005)
+        victim = next(r for r in range(2) if pool._sent[r])
+        os.kill(pool.replica_pid(victim), signal.SIGKILL)
+        outcomes = []
+        for handle in handles:
+            try:
+                handle.result(timeout=120)
+                outcomes.append("ok")
+            except StageError as exc:
+                assert exc.kind is ErrorKind.UNAVAILABLE and exc.code == "replica_lost", (exc.kind, exc.code)
+                outcomes.append("lost")
+        lost = outcomes.count("lost")
+        assert 1 <= lost <= pool._capacity and outcomes.count("ok") == 20 - lost, outcomes
+        deadline = time.monotonic() + 120
+        while pool.live_replicas() < 2:  # restarted, its stage loaded again and warmed
+            assert sd_ray.health()["m"] == "degraded"
+            assert time.monotonic() < deadline, "the killed replica did not come back"
+            time.sleep(0.1)
+        assert sd_ray.health() == {"m": "ok"}
+        assert pool.replica_pid(victim) not in (None,) and all(_image(sd_ray, seed=s).result(timeout=120)
+                                                               for s in range(2))
+        assert sd_ray.executor.idle() and pool.idle
+
+    def test_startup_errors_name_the_key(cluster, sd_path):
+        def start(**engine) -> str:
+            with pytest.raises(ValueError) as info:
+                Engine(EngineConfig(models=(ModelSpec("m", "/nowhere", family="sd", pools=engine.pop("pools", {})),),
+                                    backend="ray", **engine)).start()
+            return str(info.value)
+
+        assert "engine.ray_address: nothing answers at 127.0.0.1:1" in start(ray_address="127.0.0.1:1")
+        message = start(ray_address=ADDRESS, pools={"denoise": PoolConfig(resources={"node_z": 1})})
+        assert "pools.denoise.resources: no Ray node has a resource 'node_z'" in message and "node_b" in message
+        message = start(ray_address=ADDRESS, pools={"denoise": PoolConfig(num_gpus=1)})
+        assert "pools.denoise.num_gpus" in message
