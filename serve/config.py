@@ -19,6 +19,9 @@
     request_timeout_s = 600
     cpu_threads = 4               # torch threads CPU stage workers run at once, all pools together; default:
                                   # twice the CPUs this process may use (stages/thread_budget.py)
+    backend = "local"             # or "ray": each pool replica of a model stage is a Ray actor (pip install
+                                  # "mmserve[ray]"; README "Running on a Ray cluster")
+    ray_address = "10.0.0.1:6379" # backend = "ray": the cluster's head; unset: a Ray instance started here
 
     [limits]                      # optional: pipelines.image_request.ImageLimits
     max_pixels = 1048576
@@ -58,6 +61,10 @@
     max_batch_size = 8
     replicas = 1
     threads = 2                   # torch threads of each worker; default: the CPUs this process may use / replicas
+    devices = ["cuda:0", "cuda:1"]  # one per replica, each with its own copy of the weights
+    resources = {node_b = 1}      # backend = "ray": Ray resources each replica's actor asks for (pins it to the
+                                  # nodes that have them: ray start --resources='{"node_b": 8}')
+    num_gpus = 0.5                # backend = "ray": GPUs per replica's actor (a fraction shares one)
     [models.llm]                  # causal LMs only: pipelines.chat.LLMConfig
     kv_cache_mb = 256
     block_size = 16

@@ -43,6 +43,8 @@ class Ready(BaseModel):
     ready: bool
     models: list[str]  # every configured model id
     error: str | None = None  # why loading failed (only then)
+    status: Literal["ok", "degraded", "down"] | None = None  # once loaded: degraded while a lost replica restarts
+    down: list[str] | None = None  # "down": the models a stage of which has no live replica
 
 
 class Model(BaseModel):

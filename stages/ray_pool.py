@@ -79,10 +79,17 @@ class RayStagePool(StagePool):
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
+        """Start the replicas' actors (each loads its stage now); `wait_started` waits for them."""
         import ray
 
         actor_class = ray.remote(ReplicaWorker)
         self._actors = [self._new_actor(actor_class, r) for r in range(self.config.replicas)]
+
+    def wait_started(self) -> None:
+        """Block until every replica's actor has loaded its stage, then take work. A RuntimeError names the pool
+        when one failed to load or could not be placed in time."""
+        import ray
+
         try:
             infos = ray.get([a.info.remote() for a in self._actors], timeout=self._plan.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -209,6 +216,12 @@ class RayStagePool(StagePool):
                     return
 
     def _handle(self, r: int, m: ReplicaMessage) -> None:
+        if m.what == "run":
+            self._m_run.observe(m.data["seconds"])
+            self._m_batch.observe(m.data["items"])
+            self._m_replica[r]["run_time"].observe(m.data["seconds"])
+            self._m_replica[r]["batch_size"].observe(m.data["items"])
+            return
         with self._cond:
             item = self._sent[r].get(m.token)
             if m.what != "event" and item is not None:

@@ -45,7 +45,9 @@ class ReplicaMessage:
     """What a replica tells the API process about one item."""
 
     token: int  # the Packet's token
-    what: str  # "event": the stage emitted `kind` with `data`; "done": finished with outputs `data`; "drop": left
+    # "event": the stage emitted `kind` with `data`; "done": finished with outputs `data`; "drop": left; "run": a
+    # batch or step ran (token -1; data: seconds, items)
+    what: str
     kind: EventKind | None = None  # the event's kind ("event" only)
     data: dict[str, Any] = field(default_factory=dict)  # the event's data, or the outputs
     error: dict[str, Any] | None = None  # "drop": why, StageError's fields (None: it was stopped)
@@ -76,6 +78,18 @@ class RemoteRequest(RequestState):
         return True
 
 
+class _ReplicaPool(StagePool):
+    """The actor's pool: each batch's (or step's) run time and size also go to the API process's series."""
+
+    def __init__(self, *args, outbox: queue.SimpleQueue, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._outbox = outbox
+
+    def _observe_run(self, worker: int, seconds: float, items: int) -> None:
+        super()._observe_run(worker, seconds, items)
+        self._outbox.put(ReplicaMessage(-1, "run", data={"seconds": seconds, "items": items}))
+
+
 class ReplicaWorker:
     """The body of a replica's actor: a StagePool of one replica over the stage `load()` returns."""
 
@@ -87,7 +101,8 @@ class ReplicaWorker:
         local = dataclasses.replace(config, replicas=1, devices=(), resources=(), num_gpus=0.0, threads=threads)
         self._outbox: queue.SimpleQueue[ReplicaMessage | None] = queue.SimpleQueue()
         self._requests: dict[int, RemoteRequest] = {}
-        self._pool = StagePool(name, stage, local, Metrics(), self._done, self._drop, ThreadBudget(threads))
+        self._pool = _ReplicaPool(name, stage, local, Metrics(), self._done, self._drop, ThreadBudget(threads),
+                                  outbox=self._outbox)
         self._pool.start()
         self._node = node()
 

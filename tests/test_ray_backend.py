@@ -102,8 +102,10 @@ else:
     RAY = str(Path(sys.executable).with_name("ray"))
 
     def _ray(*args: str) -> None:
-        subprocess.run([RAY, *args], check=True, capture_output=True, timeout=120,
-                       env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        # No idle workers started ahead: on 2 cores they only slow the actors' start.
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_prestart_worker_first_driver": "0",
+               "RAY_enable_worker_prestart": "0"}
+        subprocess.run([RAY, *args], check=True, capture_output=True, timeout=120, env=env)
 
     @pytest.fixture(scope="module")
     def cluster():
@@ -117,9 +119,12 @@ else:
             ray.init(address=ADDRESS, namespace="mmserve-test", log_to_driver=False)
             yield ray.nodes()
         finally:
+            began = time.monotonic()
             if ray.is_initialized():
                 ray.shutdown()
-            subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=60)
+            print(f"ray.shutdown {time.monotonic() - began:.1f} s", file=sys.stderr)
+            subprocess.run([RAY, "stop", "--force", "--grace-period=2"], capture_output=True, timeout=60)
+            print(f"ray stop {time.monotonic() - began:.1f} s", file=sys.stderr)
 
     @pytest.fixture(scope="module")
     def sd_path(tmp_path_factory):
@@ -143,7 +148,9 @@ else:
         try:
             yield engine
         finally:
+            began = time.monotonic()
             engine.shutdown()
+            print(f"sd engine shutdown {time.monotonic() - began:.1f} s", file=sys.stderr)
 
     def _image(engine, seed: int, steps: int = 4, size: int = 64):
         request = ImageRequest(prompt="a red cube", width=size, height=size, num_inference_steps=steps, seed=seed)
@@ -223,6 +230,7 @@ else:
                 deltas = [e for e in handle.events(timeout=120) if e.kind is EventKind.DELTA]
                 outputs.append((deltas, handle.result(timeout=5)["choices"][0]["token_ids"]))
             assert engine.executor.idle()
+            assert engine.metrics.stage.max_batch_size("m/llm", "m") > 1  # the 8 requests shared steps in the actor
         finally:
             engine.shutdown()
         model = AutoModelForCausalLM.from_pretrained(path)
@@ -237,9 +245,11 @@ else:
         pool = sd_ray.executor.pools["m/denoise"]
         assert sd_ray.health() == {"m": "ok"}
         handles = [_image(sd_ray, seed=s, steps=6) for s in range(20)]
-        while not pool._running:  # a replica has items in flight
+        victim = None
+        while victim is None:  # a replica has items in flight (their stage_started came back)
+            with pool._cond:
+                victim = next((r for r in range(2) if pool._running & set(pool._sent[r])), None)
             time.sleep(0.005)
-        victim = next(r for r in range(2) if pool._sent[r])
         os.kill(pool.replica_pid(victim), signal.SIGKILL)
         outcomes = []
         for handle in handles:

@@ -44,10 +44,18 @@ async def health() -> dict:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """200 once every configured model is loaded and warmed; 503 while loading, draining or failed."""
+    """200 once every configured model is loaded and warmed; 503 while loading, draining or failed. On the ray
+    backend, while a replica is lost and restarting: 200 with status "degraded" as long as every model keeps a live
+    replica of each stage, 503 with status "down" (naming the models) when one has none."""
     engine = request.app.state.engine
     if engine.ready:
-        return JSONResponse({"ready": True, "models": list(engine.models)})
+        health = engine.health()
+        down = sorted(name for name, state in health.items() if state == "down")
+        if down:
+            return JSONResponse({"ready": False, "status": "down", "down": down, "models": list(engine.models)},
+                                status_code=503, headers={"Retry-After": "5"})
+        status = "degraded" if "degraded" in health.values() else "ok"
+        return JSONResponse({"ready": True, "status": status, "models": list(engine.models)})
     body = {"ready": False, "models": list(engine.models)}
     if engine.load_error:
         body["error"] = engine.load_error
