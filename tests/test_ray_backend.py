@@ -24,8 +24,8 @@ import pytest
 
 INSIDE = os.environ.get("MMSERVE_RAY_NETNS") == "1"
 CASES = ["test_cluster_is_on_loopback", "test_image_equals_local_and_progress_streams", "test_cancel_within_a_step",
-         "test_chat_greedy_equals_generate_token_by_token", "test_kill_9_fails_only_in_flight_items",
-         "test_startup_errors_name_the_key"]
+         "test_two_replicas_share_the_load", "test_chat_greedy_equals_generate_token_by_token",
+         "test_kill_9_fails_only_in_flight_items", "test_startup_errors_name_the_key"]
 INNER_TIMEOUT_S = 300
 PORT = 6390
 
@@ -87,6 +87,24 @@ if not INSIDE:
     def test_on_ray(inner_results, case):
         outcome, message = inner_results.get(case, ("missing", "did not run (an earlier case failed: -x)"))
         assert outcome == "passed", f"{case} {outcome}:\n{message}"
+
+    def test_bench_distributed_runs(tmp_path):
+        """examples/bench_distributed.py as a user runs it (it enters a namespace of its own), tiny and once."""
+        reason = _cannot_run()
+        if reason is not None:
+            if _in_ci():
+                pytest.fail(f"CI=true: the Ray benchmark must run, but {reason}")
+            pytest.skip(reason)
+        cmd = [sys.executable, "examples/bench_distributed.py", "--repeats", "1", "--steps", "2", "--tokens", "4"]
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        assert proc.returncode == 0, output[-4000:]
+        assert "ray nodes: ['127.0.0.1']" in output and "ratio" in output and "added per token" in output, output
 
 else:
     import numpy as np
@@ -206,6 +224,24 @@ else:
         assert info.value.kind is ErrorKind.CANCELLED
         assert took < 2 * step_s + 0.05, (took, step_s)  # the step in flight, its stop message, and no more
         assert sd_ray.executor.idle()
+
+    def test_two_replicas_share_the_load(cluster, sd_ray):
+        from stages.replica_metrics import ReplicaMetrics
+
+        pool = sd_ray.executor.pools["m/denoise"]
+        series = sd_ray.metrics.part(ReplicaMetrics)
+        node_b = _node_with(cluster, "node_b")
+
+        def items(r):
+            labels = dict(stage="m/denoise", model="m", replica=str(r), device="cpu", node=node_b)
+            return series.items.labels(**labels)._value.get()
+
+        before = [items(r) for r in (0, 1)]
+        for handle in [_image(sd_ray, seed=s, steps=2) for s in range(6)]:
+            handle.result(timeout=120)
+        spread = [items(r) - before[r] for r in (0, 1)]
+        assert min(spread) >= 1 and sum(spread) == 6, spread  # least loaded: both actors took some
+        assert sd_ray.metrics.stage.max_batch_size("m/denoise", "m") >= 1 and pool.idle
 
     def test_chat_greedy_equals_generate_token_by_token(cluster, tmp_path):
         import torch
