@@ -71,6 +71,8 @@ class ImageRequest:
     output: EncodeImages | None = None
     # The server's edits start from uploaded bytes (the media_decode node fills image and mask); None: given.
     source: DecodeImages | None = None
+    # A realtime session's id: all its frames go to one replica of a placed pool (Stage.affinity); None: any.
+    session: str | None = None
 
     def check_fields(self, *, size_factor: int, default_size: int, limits: ImageLimits) -> None:
         """The checks of the request's own fields, before its input image is decoded or the family's defaults are
@@ -94,7 +96,7 @@ class ImageRequest:
             prompt=self.prompt, task=self.task, negative_prompt=self.negative_prompt, width=width, height=height,
             n=self.n, num_inference_steps=steps, guidance_scale=guidance, seed=seed, strength=self.strength,
             image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews, extra=dict(self.extra),
-            step_cache=step_cache, output=self.output)
+            step_cache=step_cache, output=self.output, session=self.session)
 
     def _check(self, *, size_factor: int, default_size: int, default_steps: int | None,
                default_guidance: float | None, limits: ImageLimits,

@@ -76,6 +76,7 @@ class VideoRequest:
     # OpenAI's duration, used when num_frames is None: num_frames = k * frame_factor + 1 with k = round(seconds *
     # fps / frame_factor) (at least 1), so the video lasts (num_frames - 1) / fps ~ seconds. Errors name `seconds`.
     seconds: float | None = None
+    session: str | None = None  # a realtime session's id: all its chunks go to one replica (see ImageRequest)
 
     previews: ClassVar[int] = 0  # the denoise stage's preview count: videos stream none
 

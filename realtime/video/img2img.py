@@ -176,7 +176,7 @@ class Img2ImgStream:
                                negative_prompt=settings.negative_prompt, width=width, height=height,
                                num_inference_steps=settings.steps, guidance_scale=settings.guidance_scale,
                                seed=settings.seed, strength=settings.strength,
-                               image=decoded.to_pil(), tenant=self.s.tenant)
+                               image=decoded.to_pil(), tenant=self.s.tenant, session=self.s.id)
         try:
             handle = engine.submit_image(settings.model, request)
         except RequestError as e:

@@ -177,7 +177,8 @@ class ChunkStream:
         request = VideoRequest(prompt=settings.prompt, negative_prompt=settings.negative_prompt, width=width,
                                height=height, num_frames=settings.chunk_frames, fps=settings.fps,
                                num_inference_steps=settings.steps, guidance_scale=settings.guidance_scale,
-                               seed=(settings.seed + block) % 2**63, image=image, tenant=self.s.tenant)
+                               seed=(settings.seed + block) % 2**63, image=image, tenant=self.s.tenant,
+                               session=self.s.id)
         try:
             handle = self.s.engine.submit_video(settings.model, request)
         except CapacityError:
