@@ -104,7 +104,7 @@ async def run_file(client: httpx.AsyncClient, input_path: Path, output_path: Pat
                 ok, record = False, error_record(e.custom_id or f"#line{index + 1}", e.code, e.message)
             else:
                 async with slots:
-                    ok, record = await run_line(client, line)
+                    ok, record = await run_line(client, line, retries=3)  # 429/503: after Retry-After
             out.write(json.dumps(record, separators=(",", ":")) + "\n")  # one write per line: no interleaving
             out.flush()
             os.fsync(out.fileno())

@@ -24,6 +24,7 @@ endpoint's own reply (the transcription JSON, or {"content_type", "b64"} for tex
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -139,17 +140,22 @@ def error_record(custom_id: str | None, code: str, message: str) -> dict[str, An
             "error": {"code": code, "message": message}}
 
 
-async def run_line(client: httpx.AsyncClient, line: BatchLine, headers: dict[str, str] | None = None
-                   ) -> tuple[bool, dict[str, Any]]:
-    """POST the line's body to its endpoint. Returns (succeeded, output record)."""
-    try:
-        if line.upload is not None:  # the multipart request the endpoint expects
-            reply = await client.post(line.url, data=_form_fields(line.body), files={"file": line.upload},
-                                      headers=headers)
-        else:
-            reply = await client.post(line.url, json=line.body, headers=headers)
-    except httpx.HTTPError as e:
-        return False, error_record(line.custom_id, "request_failed", f"{type(e).__name__}: {e}")
+RETRIED_STATUSES = (429, 503)  # busy, unavailable (a replica lost, the server starting or stopping): try again
+MAX_RETRY_WAIT_S = 30.0
+
+
+async def run_line(client: httpx.AsyncClient, line: BatchLine, headers: dict[str, str] | None = None, *,
+                   retries: int = 0, retry_delay_s: float = 1.0) -> tuple[bool, dict[str, Any]]:
+    """POST the line's body to its endpoint. Returns (succeeded, output record). A reply of 429 or 503 is sent
+    again after its Retry-After (else `retry_delay_s`), at most `retries` times; the record is the last reply's."""
+    for attempt in range(retries + 1):
+        try:
+            reply = await _post(client, line, headers)
+        except httpx.HTTPError as e:
+            return False, error_record(line.custom_id, "request_failed", f"{type(e).__name__}: {e}")
+        if reply.status_code not in RETRIED_STATUSES or attempt == retries:
+            break
+        await asyncio.sleep(_retry_wait(reply, retry_delay_s))
     ctype = reply.headers.get("content-type", "")
     if ctype.startswith("application/json"):
         body: Any = reply.json()
@@ -160,3 +166,18 @@ async def run_line(client: httpx.AsyncClient, line: BatchLine, headers: dict[str
                            "body": body},
               "error": None}
     return reply.is_success, record
+
+
+async def _post(client: httpx.AsyncClient, line: BatchLine, headers: dict[str, str] | None) -> httpx.Response:
+    if line.upload is not None:  # the multipart request the endpoint expects
+        return await client.post(line.url, data=_form_fields(line.body), files={"file": line.upload},
+                                 headers=headers)
+    return await client.post(line.url, json=line.body, headers=headers)
+
+
+def _retry_wait(reply: httpx.Response, default_s: float) -> float:
+    try:
+        hint = float(reply.headers.get("retry-after", ""))
+    except ValueError:  # absent, or an HTTP date: the default
+        hint = default_s
+    return min(MAX_RETRY_WAIT_S, max(0.0, hint))

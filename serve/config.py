@@ -13,6 +13,8 @@
     video_concurrency = 2
     video_start_window_s = 0.02   # video jobs created in a burst start together, waiting at most this long; 0: off
     max_jobs_per_tenant = 8
+    retries = 3                   # a video or batch line that failed retryably (429/503: busy, a replica lost) runs
+                                  # again, at most this often; only its last try is recorded
 
     [engine]                      # optional
     prompt_cache_mb = 256

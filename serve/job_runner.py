@@ -11,6 +11,10 @@ Policy (DESIGN §10, issue 7):
   share the text-encode batch and every denoise step; a job started alone would run its own text encode and steps
   while the rest of its burst waits a batch behind, and they all finish later.
 * Limits: a tenant holds at most `max_jobs_per_tenant` unfinished jobs of each kind; more answer 429.
+* Retries: a video whose run fails with a retryable error (ErrorKind BUSY or UNAVAILABLE: a full queue, a replica
+  lost with its process) runs again from the beginning, and a batch line answered 429 or 503 is sent again after
+  its Retry-After, up to `retries` times; only the last try is recorded, so each job completes once and each line
+  has one result, whatever crashed meanwhile.
 
 Results are written atomically (serve/jobs.py) before the row that marks a job completed.
 """
@@ -32,6 +36,7 @@ from stages.events import ErrorKind, EventKind, StageError
 
 log = logging.getLogger(__name__)
 # What a job that failed on an unexpected exception says: the details go to the log, never to the client (as a 500).
+MAX_RETRY_DELAY_S = 30.0  # the longest a retry waits, whatever Retry-After says
 INTERNAL_JOB_ERROR = {"code": "internal_error",
                       "message": "the job failed inside the server; the error has been logged"}
 
@@ -47,11 +52,16 @@ class JobPolicy:
     # this without a new job ends the wait sooner); 0: each starts at once. Once past it a job waits only for a slot.
     video_start_window_s: float = 0.02
     expiry_sweep_s: float = 600.0  # how often expired results are deleted
+    retries: int = 3  # tries again after a retryable failure, per video job and per batch line
+    retry_delay_s: float = 1.0  # the wait before one when the error names none (a reply's Retry-After does)
 
     def __post_init__(self):
         for name in ("batch_line_concurrency", "video_concurrency", "max_jobs_per_tenant", "result_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"jobs.{name} must be >= 1, got {getattr(self, name)}")
+        if self.retries < 0 or not 0 <= self.retry_delay_s <= MAX_RETRY_DELAY_S:
+            raise ValueError(f"jobs.retries must be >= 0 (got {self.retries}) and jobs.retry_delay_s in "
+                             f"[0, {MAX_RETRY_DELAY_S}] seconds (got {self.retry_delay_s})")
         if not 0 <= self.video_start_window_s <= 1:
             raise ValueError(f"jobs.video_start_window_s must be in [0, 1] seconds, got {self.video_start_window_s}")
 
@@ -163,8 +173,6 @@ class JobRunner:
 
     # -- video ----------------------------------------------------------------------------
     async def _run_video(self, job_id: str) -> None:
-        from pipelines.video import VideoRequest
-
         await self._burst()
         async with self._video_slots:
             job = self.store.get_job(job_id)
@@ -173,30 +181,8 @@ class JobRunner:
             # Not fsynced (durable=False): recovery restarts an in_progress or finalizing video from the beginning.
             self.store.update_job(job_id, status="in_progress", started_at=int(time.time()), progress=0,
                                   durable=False)
-            r = dict(job.request)
             try:
-                image = None
-                ref = self.store.results_dir / f"{job_id}.input"
-                if r.pop("has_input_reference", False):
-                    image = await asyncio.to_thread(self.engine.decode_image, ref.read_bytes(),
-                                                    param="input_reference")
-                fields = {k: r[k] for k in VIDEO_REQUEST_FIELDS if k in r}
-                handle = self.engine.submit_video(r["model"], VideoRequest(**fields, image=image, tenant=job.tenant))
-                self._handles[job_id] = handle
-                outputs = None
-                progress = 0
-                async for event in handle:
-                    if event.kind is EventKind.PROGRESS:
-                        now = min(99, int(100 * event.data["step"] / max(1, event.data["total"])))
-                        if now > progress:  # monotonic
-                            progress = now
-                            self.store.update_job(job_id, progress=progress, durable=False)
-                    elif event.kind is EventKind.FINAL:
-                        outputs = event.data["outputs"]
-                    elif event.kind is EventKind.ERROR:
-                        raise StageError.from_event(event)
-                if outputs is None:
-                    raise StageError("cancelled", "the job was cancelled", kind=ErrorKind.CANCELLED)
+                outputs = await self._video_outputs(job_id, job)
                 self.store.update_job(job_id, status="finalizing", durable=False)
                 await self._write_results(job_id, outputs)
                 self.store.finish_job(job_id, "completed", result={"seed": outputs.get("seed"),
@@ -212,10 +198,66 @@ class JobRunner:
             except Exception:  # a failed job is recorded, never silently lost
                 log.exception("video job %s failed", job_id)
                 self.store.finish_job(job_id, "failed", error=INTERNAL_JOB_ERROR)
-            finally:
-                handle = self._handles.pop(job_id, None)
-                if handle is not None and not handle.done:
-                    handle.cancel()
+
+    async def _video_outputs(self, job_id: str, job) -> dict[str, Any]:
+        """The video's outputs; a retryable failure (a full queue, a lost replica) runs it again from the beginning,
+        at most `retries` times."""
+        for attempt in range(self.policy.retries + 1):
+            try:
+                return await self._video_attempt(job_id, job)
+            except StageError as e:
+                if not e.kind.retryable or attempt == self.policy.retries:
+                    raise
+                log.warning("video job %s: %s (%s); it runs again (retry %d of %d)", job_id, e.code, e.message,
+                            attempt + 1, self.policy.retries)
+                self.store.update_job(job_id, progress=0, durable=False)
+                if not await self._wait_unless_cancelled(job_id, getattr(e, "retry_after_s", None)):
+                    raise StageError("cancelled", "the job was cancelled", kind=ErrorKind.CANCELLED) from e
+        raise AssertionError("unreachable")
+
+    async def _video_attempt(self, job_id: str, job) -> dict[str, Any]:
+        from pipelines.video import VideoRequest
+
+        r = dict(job.request)
+        image = None
+        ref = self.store.results_dir / f"{job_id}.input"
+        if r.pop("has_input_reference", False):
+            image = await asyncio.to_thread(self.engine.decode_image, ref.read_bytes(), param="input_reference")
+            if self.store.get_job(job_id).status == "cancelling":  # cancel() found no handle to cancel
+                raise StageError("cancelled", "the job was cancelled", kind=ErrorKind.CANCELLED)
+        fields = {k: r[k] for k in VIDEO_REQUEST_FIELDS if k in r}
+        handle = self.engine.submit_video(r["model"], VideoRequest(**fields, image=image, tenant=job.tenant))
+        self._handles[job_id] = handle
+        try:
+            outputs = None
+            progress = 0
+            async for event in handle:
+                if event.kind is EventKind.PROGRESS:
+                    now = min(99, int(100 * event.data["step"] / max(1, event.data["total"])))
+                    if now > progress:  # monotonic
+                        progress = now
+                        self.store.update_job(job_id, progress=progress, durable=False)
+                elif event.kind is EventKind.FINAL:
+                    outputs = event.data["outputs"]
+                elif event.kind is EventKind.ERROR:
+                    raise StageError.from_event(event)
+            if outputs is None:
+                raise StageError("cancelled", "the job was cancelled", kind=ErrorKind.CANCELLED)
+            return outputs
+        finally:
+            self._handles.pop(job_id, None)
+            if not handle.done:
+                handle.cancel()
+
+    async def _wait_unless_cancelled(self, job_id: str, hint_s: float | None) -> bool:
+        """Wait before a retry (the hint, else retry_delay_s); False when the job was cancelled meanwhile."""
+        delay = min(MAX_RETRY_DELAY_S, self.policy.retry_delay_s if hint_s is None else hint_s)
+        end = time.monotonic() + delay
+        while self.store.get_job(job_id).status != "cancelling":
+            if time.monotonic() >= end:
+                return True
+            await asyncio.sleep(min(0.05, max(0.0, end - time.monotonic())))
+        return False
 
     async def _burst(self) -> None:
         """Wait until the start window closes, opening one if none is open, else joining it (see _StartWindow).
@@ -286,7 +328,8 @@ class JobRunner:
             self.store.put_line(job_id, index, e.custom_id, False, error_record(e.custom_id, e.code, e.message))
             return
         async with self._batch_slots:  # the low-priority lane: a bounded number of batch lines in flight
-            ok, record = await run_line(client, line, headers)
+            ok, record = await run_line(client, line, headers, retries=self.policy.retries,
+                                        retry_delay_s=self.policy.retry_delay_s)
         self.store.put_line(job_id, index, line.custom_id, ok, record)
 
     async def _finish_batch(self, job_id: str, status: str) -> None:

@@ -25,7 +25,8 @@ import pytest
 INSIDE = os.environ.get("MMSERVE_RAY_NETNS") == "1"
 CASES = ["test_cluster_is_on_loopback", "test_image_equals_local_and_progress_streams", "test_cancel_within_a_step",
          "test_two_replicas_share_the_load", "test_chat_greedy_equals_generate_token_by_token",
-         "test_kill_9_fails_only_in_flight_items", "test_startup_errors_name_the_key"]
+         "test_kill_9_fails_only_in_flight_items", "test_a_batch_across_a_killed_replica_finishes_every_line_once",
+         "test_startup_errors_name_the_key"]
 INNER_TIMEOUT_S = 300
 PORT = 6390
 
@@ -305,6 +306,62 @@ else:
         assert sd_ray.health() == {"m": "ok"}
         assert pool.replica_pid(victim) not in (None,) and all(_image(sd_ray, seed=s).result(timeout=120)
                                                                for s in range(2))
+        assert sd_ray.executor.idle() and pool.idle
+
+    def test_a_batch_across_a_killed_replica_finishes_every_line_once(sd_ray, tmp_path):
+        """A batch of image lines on the ray backend while a denoise replica is killed: the lines it was running
+        answer 503 (replica_lost), run again after Retry-After, and the batch completes with one result a line."""
+        import asyncio
+        import json
+
+        import httpx
+
+        from serve.app import create_app
+        from serve.job_runner import JobPolicy
+        from serve.metrics import HttpMetrics
+
+        pool = sd_ray.executor.pools["m/denoise"]
+        body = {"model": "m", "prompt": "a red cube", "size": "64x64", "num_inference_steps": 6}
+        lines = [{"custom_id": f"img-{i}", "url": "/v1/images/generations", "body": {**body, "seed": i}}
+                 for i in range(8)]
+        lost = sd_ray.metrics.part(HttpMetrics).requests.labels(route="/v1/images/generations", status="503")
+        lost_before = lost._value.get()
+
+        async def main():
+            app = create_app(sd_ray, data_dir=tmp_path, job_policy=JobPolicy(batch_line_concurrency=4,
+                                                                             ready_poll_s=0.01))
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://ray-test", timeout=60) as c:
+                    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+                    f = (await c.post("/v1/files", data={"purpose": "batch"},
+                                      files={"file": ("in.jsonl", data)})).json()
+                    batch = (await c.post("/v1/batches", json={"input_file_id": f["id"], "completion_window": "24h",
+                                                               "endpoint": "/v1/images/generations"})).json()
+                    victim = None
+                    while victim is None:  # a replica is running one of the batch's lines
+                        with pool._cond:
+                            victim = next((r for r in range(2) if pool._running & set(pool._sent[r])), None)
+                        await asyncio.sleep(0.005)
+                    os.kill(pool.replica_pid(victim), signal.SIGKILL)
+                    deadline = time.monotonic() + 150
+                    while (batch := (await c.get(f"/v1/batches/{batch['id']}")).json())["status"] not in (
+                            "completed", "failed", "cancelled"):
+                        assert time.monotonic() < deadline, batch
+                        await asyncio.sleep(0.1)
+                    out = (await c.get(f"/v1/files/{batch['output_file_id']}/content")).text
+                    return batch, [json.loads(x) for x in out.splitlines()]
+
+        batch, records = asyncio.run(main())
+        assert batch["status"] == "completed" and batch["error_file_id"] is None, batch
+        assert batch["request_counts"] == {"total": 8, "completed": 8, "failed": 0}, batch
+        assert sorted(r["custom_id"] for r in records) == sorted(x["custom_id"] for x in lines)  # once each
+        assert all(r["response"]["status_code"] == 200 for r in records)
+        assert lost._value.get() - lost_before >= 1  # a line met the lost replica and ran again
+        deadline = time.monotonic() + 120
+        while pool.live_replicas() < 2:
+            assert time.monotonic() < deadline, "the killed replica did not come back"
+            time.sleep(0.1)
         assert sd_ray.executor.idle() and pool.idle
 
     def test_startup_errors_name_the_key(cluster, sd_path):

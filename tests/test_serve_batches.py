@@ -209,6 +209,37 @@ def test_sigkill_mid_batch_then_restart_completes_every_line_once(models, tmp_pa
         srv.stop()
 
 
+def test_jobs_turned_away_busy_run_again_and_finish_once(models, tmp_path):
+    """Each model admits one request at a time (max_inflight = 1): of two videos started together and four batch
+    lines sent at once, all but one meet a 429 (queue_full); they run again after its Retry-After and every job
+    completes, each line with one result."""
+    data = tmp_path / "data"
+    text = (f'[server]\ndata_dir = "{data}"\n[jobs]\nbatch_line_concurrency = 4\nvideo_concurrency = 2\n'
+            f'video_start_window_s = 0.2\nretries = 30\n')
+    for name, family, key in (("sd-demo", "sd", "sd"), ("wan-demo", "wan", "wan")):
+        text += f'[[models]]\nname = "{name}"\npath = "{models[key]}"\nfamily = "{family}"\nmax_inflight = 1\n'
+    srv = Server(tmp_path, text)
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        image = {"model": "sd-demo", "prompt": "a cat", "size": "64x64", "num_inference_steps": 2}
+        lines = [{"custom_id": f"img-{i}", "url": "/v1/images/generations", "body": {**image, "seed": i}}
+                 for i in range(4)]
+        f = c.files.create(file=("busy.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+        batch = c.batches.create(input_file_id=f.id, endpoint="/v1/images/generations", completion_window="24h")
+        videos = [httpx.post(f"{srv.url}/v1/videos", json={**VIDEO, "seed": i}, timeout=30).json() for i in range(2)]
+        done = _wait_batch(c, batch.id, timeout_s=120)
+        assert done.status == "completed" and done.request_counts.completed == 4 and done.error_file_id is None
+        assert sorted(r["custom_id"] for r in _records(c, done.output_file_id)) == [x["custom_id"] for x in lines]
+        status = lambda v: httpx.get(f"{srv.url}/v1/videos/{v['id']}").json()  # noqa: E731
+        assert wait_for(lambda: all(status(v)["status"] in ("completed", "failed") for v in videos), timeout_s=120)
+        assert [status(v)["status"] for v in videos] == ["completed", "completed"], [status(v) for v in videos]
+        # The retries happened: the lines' 429s were answered, a video was turned away and ran again.
+        assert metric(srv.url, "mmserve_requests_total", route="/v1/images/generations", status="429") >= 3
+        assert "queue_full" in srv.log_tail(200_000) and "runs again (retry 1 of 30)" in srv.log_tail(200_000)
+    finally:
+        srv.stop()
+
+
 # -- videos ------------------------------------------------------------------------------------------
 
 
