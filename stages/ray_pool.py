@@ -144,6 +144,12 @@ class RayStagePool(StagePool):
         with self._cond:
             return sum(self._live)
 
+    def usage(self, replica: int, timeout: float = 30.0) -> dict[str, int]:
+        """What replica `replica`'s stage holds now (Stage.usage, and its items), asked of its actor."""
+        import ray
+
+        return ray.get(self._actors[replica].usage.remote(), timeout=timeout)
+
     def replica_pid(self, replica: int) -> int | None:
         info = self.nodes[replica]
         return None if info is None else info.pid

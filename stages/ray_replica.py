@@ -95,7 +95,7 @@ class ReplicaWorker:
 
     def __init__(self, load: Callable[[], Stage], name: str, config: PoolConfig, replicas: int,
                  node: Callable[[], tuple[str, str]] = lambda: ("local", "127.0.0.1")):
-        stage = load()
+        stage = self._stage = load()
         # One replica here; its threads are the pool's share of this machine's cores (as the local backend's are).
         threads = config.threads or default_threads(replicas)
         local = dataclasses.replace(config, replicas=1, devices=(), resources=(), num_gpus=0.0, threads=threads)
@@ -109,6 +109,10 @@ class ReplicaWorker:
     def info(self) -> ReplicaInfo:
         node_id, node_ip = self._node
         return ReplicaInfo(os.getpid(), node_id, node_ip)
+
+    def usage(self) -> dict[str, int]:
+        """The stage's usage (Stage.usage) and the items this replica holds."""
+        return {**self._stage.usage(), "items": len(self._requests)}
 
     def submit(self, packets: list[Packet]) -> None:
         for packet in packets:

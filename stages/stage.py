@@ -66,6 +66,11 @@ class Stage:
         """Run a batch; return one outputs dict per item, in order."""
         raise NotImplementedError
 
+    def usage(self) -> dict[str, int]:
+        """What the stage holds for requests now (the llm: KV blocks, sequences); at rest it is the baseline again.
+        A ray-backend replica answers it from its actor (leak checks across a lost replica)."""
+        return {}
+
 
 class LoopStage(Stage):
     """A stage that advances its items one step at a time (the denoise loop).

@@ -111,44 +111,15 @@ def test_llm_replicas_route_a_repeated_prefix_to_its_cache(tmp_path):
 def test_a_realtime_video_session_stays_on_one_replica(sd_path):
     """WS /v1/realtime/video img2img on two placed denoise replicas: two frames of the session are in the engine at
     once (lookahead 2), which least-loaded routing would spread over both; every frame of it runs on one."""
-    import asyncio
-    import time
-
     from pipelines.config import EngineConfig
     from pipelines.engine import Engine
-    from tests.test_realtime_video_support import Client, InProcessServer, jpeg, painted_frame
+    from tests.test_realtime_video_support import img2img_session_spreads
 
     pools = {"denoise": PoolConfig(devices=("cpu", "cpu"), max_batch_size=2)}
     engine = Engine(EngineConfig(models=(ModelSpec("m", sd_path, family="sd", pools=pools),)))
     engine.start()
-    server = InProcessServer(engine)
-    n = 12
-
-    async def session() -> Client:
-        client = await Client.connect(server.url)
-        await client.send({"type": "session.update", "session": {
-            "mode": "img2img", "model": "m", "prompt": "a fox", "steps": 4, "strength": 0.5, "lookahead": 2,
-            "frame_deadline_ms": 60_000}})
-        await client.until_type("session.created")
-        for seq in range(n):  # faster than two replicas run them: frames wait in the engine
-            await client.send_frame({"seq": seq, "content_type": "image/jpeg"}, jpeg(painted_frame(seq)))
-            await asyncio.sleep(0.01)
-        deadline = time.monotonic() + 120
-        while len({e["seq"] for e in client.events if e["type"] in ("chunk.done", "frame.dropped")}) < n:
-            await client.receive(max(0.01, deadline - time.monotonic()))
-        await client.close()
-        return client
-
     try:
-        for _ in range(2):  # a second session may live on either replica; it stays there too
-            before = [_items(engine, r) for r in (0, 1)]
-            client = asyncio.run(session())
-            deadline = time.monotonic() + 30
-            while not engine.executor.idle():  # the last frame's request closes just after its chunk.done
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            spread = [_items(engine, r) - before[r] for r in (0, 1)]
-            assert len(client.media) >= 2 and sorted(spread)[0] == 0 and sum(spread) >= len(client.media), spread
+        for spread, frames in img2img_session_spreads(engine, lambda r: _items(engine, r)):
+            assert frames >= 2 and sorted(spread)[0] == 0 and sum(spread) >= frames, spread
     finally:
-        server.stop()
         engine.shutdown()

@@ -24,7 +24,8 @@ import pytest
 
 INSIDE = os.environ.get("MMSERVE_RAY_NETNS") == "1"
 CASES = ["test_cluster_is_on_loopback", "test_image_equals_local_and_progress_streams", "test_cancel_within_a_step",
-         "test_two_replicas_share_the_load", "test_chat_greedy_equals_generate_token_by_token",
+         "test_two_replicas_share_the_load", "test_a_realtime_video_session_stays_on_one_replica",
+         "test_chat_greedy_equals_generate_token_by_token", "test_kill_9_mid_chat_leaves_no_kv_blocks",
          "test_kill_9_fails_only_in_flight_items", "test_a_batch_across_a_killed_replica_finishes_every_line_once",
          "test_startup_errors_name_the_key"]
 INNER_TIMEOUT_S = 300
@@ -244,39 +245,101 @@ else:
         assert min(spread) >= 1 and sum(spread) == 6, spread  # least loaded: both actors took some
         assert sd_ray.metrics.stage.max_batch_size("m/denoise", "m") >= 1 and pool.idle
 
-    def test_chat_greedy_equals_generate_token_by_token(cluster, tmp_path):
-        import torch
-        from transformers import AutoModelForCausalLM
+    def test_a_realtime_video_session_stays_on_one_replica(cluster, sd_ray):
+        """WS /v1/realtime/video img2img over the two denoise actors: a session's frames, two in the engine at once,
+        all run on one actor (sticky routing); least loaded would spread them."""
+        from stages.replica_metrics import ReplicaMetrics
+        from tests.test_realtime_video_support import img2img_session_spreads
 
-        from pipelines.chat import ChatRequest, LLMConfig
+        series, node_b = sd_ray.metrics.part(ReplicaMetrics), _node_with(cluster, "node_b")
+
+        def items(r):
+            return series.items.labels(stage="m/denoise", model="m", replica=str(r), device="cpu",
+                                       node=node_b)._value.get()
+
+        for spread, frames in img2img_session_spreads(sd_ray, items, frames=8):
+            assert frames >= 2 and sorted(spread)[0] == 0 and sum(spread) >= frames, spread
+
+    CHAT_PROMPT = list(range(5, 25))
+
+    @pytest.fixture(scope="module")
+    def llm_ray(cluster, tmp_path_factory):
+        """The demo Llama with two replicas of its llm stage on node_b (and its path)."""
+        from pipelines.chat import LLMConfig
         from pipelines.demo import build_demo_model
-        from stages.llm.params import SamplingParams
 
-        path = str(build_demo_model("llama", tmp_path / "llama"))
-        prompt = list(range(5, 25))
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        pools = {"llm": PoolConfig(max_batch_size=4096, max_queue=256, resources={"node_b": 1})}
+        path = str(build_demo_model("llama", tmp_path_factory.mktemp("llama") / "llama"))
+        pools = {"llm": PoolConfig(replicas=2, max_batch_size=4096, max_queue=256, resources={"node_b": 1})}
         config = EngineConfig(models=(ModelSpec("m", path, family="causal-lm", llm=LLMConfig(kv_cache_mb=8),
                                                 pools=pools),), backend="ray", ray_address=ADDRESS)
         engine = Engine(config)
         engine.start()
         try:
-            handles = [engine.submit_chat("m", ChatRequest(prompt=prompt, params=params)) for _ in range(8)]
-            outputs = []
-            for handle in handles:
-                deltas = [e for e in handle.events(timeout=120) if e.kind is EventKind.DELTA]
-                outputs.append((deltas, handle.result(timeout=5)["choices"][0]["token_ids"]))
-            assert engine.executor.idle()
-            assert engine.metrics.stage.max_batch_size("m/llm", "m") > 1  # the 8 requests shared steps in the actor
+            yield engine, path
         finally:
             engine.shutdown()
+
+    def _chat(engine, prompt, tokens: int):
+        from pipelines.chat import ChatRequest
+        from stages.llm.params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        return engine.submit_chat("m", ChatRequest(prompt=prompt, params=params))
+
+    def test_chat_greedy_equals_generate_token_by_token(llm_ray):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        engine, path = llm_ray
+        handles = [_chat(engine, CHAT_PROMPT, 8) for _ in range(8)]
+        outputs = []
+        for handle in handles:
+            deltas = [e for e in handle.events(timeout=120) if e.kind is EventKind.DELTA]
+            outputs.append((deltas, handle.result(timeout=5)["choices"][0]["token_ids"]))
+        assert engine.executor.idle()
+        assert engine.metrics.stage.max_batch_size("m/llm", "m") > 1  # the 8 requests shared steps in the actor
         model = AutoModelForCausalLM.from_pretrained(path)
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        want = ref[0, len(prompt):].tolist()
+            ref = model.generate(torch.tensor([CHAT_PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        want = ref[0, len(CHAT_PROMPT):].tolist()
         for deltas, ids in outputs:
             assert ids == want
             assert len(deltas) == 8  # one delta a token, streamed
+
+    def test_kill_9_mid_chat_leaves_no_kv_blocks(llm_ray):
+        """20 streamed chats over two llm actors, one killed mid-run: only the chats it was running fail (retryable),
+        the rest finish whole, the actor comes back, and neither replica holds a KV block or a sequence after."""
+        engine, _ = llm_ray
+        pool = engine.executor.pools["m/llm"]
+        baseline = [pool.usage(r) for r in (0, 1)]
+        assert all(u["kv_blocks_used"] == 0 and u["sequences"] == 0 for u in baseline), baseline
+        prompts = [[5 + (i * 11 + j) % 300 for j in range(20)] for i in range(20)]  # a first KV block of its own
+        handles = [_chat(engine, p, 48) for p in prompts]
+        victim = None
+        while victim is None:  # a replica is generating (its items' stage_started came back)
+            with pool._cond:
+                victim = next((r for r in range(2) if pool._running & set(pool._sent[r])), None)
+            time.sleep(0.005)
+        os.kill(pool.replica_pid(victim), signal.SIGKILL)
+        outcomes = []
+        for handle in handles:
+            try:
+                outcomes.append(len(handle.result(timeout=120)["choices"][0]["token_ids"]))
+            except StageError as exc:
+                assert exc.kind is ErrorKind.UNAVAILABLE and exc.code == "replica_lost", (exc.kind, exc.code)
+                outcomes.append("lost")
+        lost = outcomes.count("lost")
+        assert 1 <= lost <= pool._capacity and outcomes.count(48) == 20 - lost, outcomes
+        deadline = time.monotonic() + 120
+        while pool.live_replicas() < 2:
+            assert time.monotonic() < deadline, "the killed replica did not come back"
+            time.sleep(0.1)
+        assert engine.executor.idle() and pool.idle
+        survivor = 1 - victim
+        after = [pool.usage(r) for r in (0, 1)]
+        assert all(u["kv_blocks_used"] == 0 and u["sequences"] == 0 and u["items"] == 0 for u in after), after
+        assert after[survivor]["kv_blocks_free"] == baseline[survivor]["kv_blocks_free"], (baseline, after)
+        assert len(_chat(engine, CHAT_PROMPT, 4).result(timeout=120)["choices"][0]["token_ids"]) == 4
 
     def test_kill_9_fails_only_in_flight_items(sd_ray):
         pool = sd_ray.executor.pools["m/denoise"]

@@ -11,6 +11,7 @@ import io
 import json
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,3 +212,41 @@ def decode_mp4(data: bytes) -> np.ndarray:
 
     with av.open(io.BytesIO(data)) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def img2img_session_spreads(engine, items: Callable[[int], float], *, frames: int = 12, sessions: int = 2
+                            ) -> list[tuple[list[float], int]]:
+    """Run `sessions` img2img sessions of model "m", one after another, over WS /v1/realtime/video of an in-process
+    server on `engine` (two denoise replicas), each sending `frames` frames faster than they run (lookahead 2: two
+    frames in the engine at once). Per session: how many items each replica took (`items(r)` reads replica r's
+    counter) and how many frames came back. A session may live on either replica; it should stay there."""
+    server = InProcessServer(engine)
+
+    async def session() -> Client:
+        client = await Client.connect(server.url)
+        await client.send({"type": "session.update", "session": {
+            "mode": "img2img", "model": "m", "prompt": "a fox", "steps": 4, "strength": 0.5, "lookahead": 2,
+            "frame_deadline_ms": 60_000}})
+        await client.until_type("session.created")
+        for seq in range(frames):
+            await client.send_frame({"seq": seq, "content_type": "image/jpeg"}, jpeg(painted_frame(seq)))
+            await asyncio.sleep(0.01)
+        deadline = time.monotonic() + 120
+        while len({e["seq"] for e in client.events if e["type"] in ("chunk.done", "frame.dropped")}) < frames:
+            await client.receive(max(0.01, deadline - time.monotonic()))
+        await client.close()
+        return client
+
+    results = []
+    try:
+        for _ in range(sessions):
+            before = [items(r) for r in (0, 1)]
+            client = asyncio.run(session())
+            deadline = time.monotonic() + 30
+            while not engine.executor.idle():  # the last frame's request closes just after its chunk.done
+                assert time.monotonic() < deadline, "the engine did not become idle"
+                time.sleep(0.01)
+            results.append(([items(r) - before[r] for r in (0, 1)], len(client.media)))
+    finally:
+        server.stop()
+    return results

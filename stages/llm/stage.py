@@ -241,6 +241,10 @@ class LLMStage(LoopStage):
         self.scheduler.finish(seq, reason)
         self._owner.pop(seq.seq_id, None)
 
+    def usage(self) -> dict[str, int]:
+        return {"kv_blocks_used": self.blocks.num_used_blocks, "kv_blocks_free": self.blocks.num_free_blocks,
+                "sequences": len(self.scheduler.running) + len(self.scheduler.waiting)}
+
     def _observe(self) -> None:
         m, model = self.metrics.llm, self.model
         m.running.labels(model=model).set(len(self.scheduler.running))
