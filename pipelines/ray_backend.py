@@ -53,11 +53,12 @@ class StageLoader:
     prompt_cache_mb: int
     encoder_cache_mb: int
 
-    def __call__(self) -> Stage:
+    def __call__(self, metrics: Metrics) -> Stage:
+        """The stage, writing its series to `metrics` (the actor carries them to the API process)."""
         from pipelines.registry import served_class
         from pipelines.served import LoadContext
 
-        context = LoadContext(Metrics(), EncoderCache("prompt_embedding", self.prompt_cache_mb << 20),
+        context = LoadContext(metrics, EncoderCache("prompt_embedding", self.prompt_cache_mb << 20),
                               EncoderCache("encoder_output", self.encoder_cache_mb << 20), self.limits, _no_media,
                               self.media)
         with one_thread():  # as the engine loads (thread_budget.one_thread)

@@ -34,6 +34,12 @@ def check_device(device: str, key: str) -> torch.device:
     raise ValueError(f"{key}: {device!r} does not exist here (devices: cpu, and {torch.cuda.device_count()} CUDA)")
 
 
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in `value` (walked as `to_device` walks it): their copy to the meta device moves
+    no data and counts them."""
+    return to_device(value, torch.device("meta"))[1]
+
+
 def to_device(value: Any, device: torch.device) -> tuple[Any, int]:
     """`value` with every tensor in it on `device` (dicts, lists, tuples and dataclasses are walked), and the bytes
     that moved. Objects already there are returned as they are (no copy)."""

@@ -7,7 +7,8 @@ one step loop holds, so the rest stay here, where a lost replica's items can be 
 of them stopped (cancelled or fenced: dropped at the actor's next step boundary; the actor knows the deadline
 itself); a drain thread reads the actor's stream of messages (stage_started, progress, deltas, outputs, run
 times) and hands them to the executor as a local worker would. Tensors travel inside the messages, through
-Ray's object store.
+Ray's object store; a replica's edge series (mmserve_edge_transfer_*) time the submit call that serializes them and
+count their tensor bytes.
 
 A replica whose process dies (kill -9) fails only its items that had started, with a retryable error
 (ErrorKind.UNAVAILABLE: 503 with Retry-After); its items that had not started go to the other replicas. Ray
@@ -28,8 +29,10 @@ from typing import Any
 
 from stages.events import ErrorKind, EventKind, StageError
 from stages.metrics import Metrics
+from stages.placement import tensor_bytes
 from stages.pool import DoneFn, DropFn, PoolConfig, StagePool
 from stages.ray_replica import Packet, ReplicaInfo, ReplicaMessage, ReplicaWorker
+from stages.remote_series import SeriesSink
 from stages.stage import LoopStage, Stage, WorkItem
 from stages.thread_budget import ThreadBudget
 
@@ -46,7 +49,8 @@ STOP_POLL_S = 0.05
 class ActorPlan:
     """How a ray-backend pool makes its replicas' actors."""
 
-    load: Callable[[int], Callable[[], Stage]]  # replica index -> what its actor runs to load the stage
+    # replica index -> what its actor runs to load the stage (it writes its series to the Metrics given)
+    load: Callable[[int], Callable[[Metrics], Stage]]
     max_restarts: int = 4  # Ray restarts a dead replica's actor this many times
     start_timeout_s: float = 900.0  # every actor has loaded its stage within this (else start-up fails)
 
@@ -77,6 +81,7 @@ class RayStagePool(StagePool):
         self._warm: list[Packet | None] = [None] * n  # the first item each replica ran: it warms a restart
         self._warming: list[int | None] = [None] * n  # the token of a restarted replica's warm-up
         self._tokens = itertools.count()
+        self._sink = SeriesSink(metrics.registry)  # the actors' stage series, carried here
         loop = isinstance(self.stage, LoopStage)
         # Items an actor holds: one step loop's worth, or a batch running and the next one gathering.
         self._capacity = self._loop_capacity() if loop else 2 * config.max_batch_size
@@ -201,7 +206,10 @@ class RayStagePool(StagePool):
                 packets = [self._packet(token, item) for token, item in taken]
                 if self._warm[r] is None:
                     self._warm[r] = packets[0]
-                actor.submit.remote(packets)
+                started = time.perf_counter()
+                actor.submit.remote(packets)  # serializes them (tensors into the object store) before it returns
+                self._m_replica[r]["transfer_time"].observe(time.perf_counter() - started)
+                self._m_replica[r]["transfer_bytes"].inc(sum(tensor_bytes(p.inputs) for p in packets))
                 for _, item in taken:  # its request's end (a cancel) sends the stop now, not at the next look
                     item.request.on_close(self.wake)
 
@@ -228,6 +236,9 @@ class RayStagePool(StagePool):
                     return
 
     def _handle(self, r: int, m: ReplicaMessage) -> None:
+        if m.what == "series":
+            self._sink.apply(r, m.data["changes"])
+            return
         if m.what == "run":
             self._m_run.observe(m.data["seconds"])
             self._m_batch.observe(m.data["items"])
@@ -266,6 +277,7 @@ class RayStagePool(StagePool):
     # -- a lost replica -----------------------------------------------------------------
     def _lost(self, r: int, exc: Exception) -> None:
         """Fail the items that had started there (retryable); route the others, and its queued ones, again."""
+        self._sink.drop(r)
         with self._cond:
             self._live[r] = False
             self._m_replica[r]["live"].set(0)

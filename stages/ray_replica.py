@@ -22,9 +22,12 @@ from typing import Any
 from stages.events import EventKind, StageError
 from stages.metrics import Metrics
 from stages.pool import PoolConfig, StagePool
+from stages.remote_series import SeriesDiff
 from stages.request_state import RequestState
 from stages.stage import Stage, WorkItem
 from stages.thread_budget import ThreadBudget, default_threads
+
+SERIES_EVERY_S = 0.5  # how often a replica sends what changed in its stage's series
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class ReplicaMessage:
 
     token: int  # the Packet's token
     # "event": the stage emitted `kind` with `data`; "done": finished with outputs `data`; "drop": left; "run": a
-    # batch or step ran (token -1; data: seconds, items)
+    # batch or step ran (token -1; data: seconds, items); "series": the stage's series changed (token -1; data:
+    # changes, stages.remote_series.Change)
     what: str
     kind: EventKind | None = None  # the event's kind ("event" only)
     data: dict[str, Any] = field(default_factory=dict)  # the event's data, or the outputs
@@ -93,9 +97,11 @@ class _ReplicaPool(StagePool):
 class ReplicaWorker:
     """The body of a replica's actor: a StagePool of one replica over the stage `load()` returns."""
 
-    def __init__(self, load: Callable[[], Stage], name: str, config: PoolConfig, replicas: int,
+    def __init__(self, load: Callable[[Metrics], Stage], name: str, config: PoolConfig, replicas: int,
                  node: Callable[[], tuple[str, str]] = lambda: ("local", "127.0.0.1")):
-        stage = self._stage = load()
+        metrics = Metrics()  # the stage's own series; changes go to the API process every SERIES_EVERY_S
+        stage = self._stage = load(metrics)
+        self._series = SeriesDiff(metrics.registry)
         # One replica here; its threads are the pool's share of this machine's cores (as the local backend's are).
         threads = config.threads or default_threads(replicas)
         local = dataclasses.replace(config, replicas=1, devices=(), resources=(), num_gpus=0.0, threads=threads)
@@ -129,18 +135,29 @@ class ReplicaWorker:
         self._pool.wake()
 
     def events(self) -> Iterator[list[ReplicaMessage]]:
-        """Every message, as it comes, a few at once when several are waiting; ends at `close`."""
+        """Every message, as it comes, a few at once when several are waiting, and what changed in the stage's series
+        at most every SERIES_EVERY_S; ends at `close`."""
+        next_series = time.monotonic() + SERIES_EVERY_S
         while True:
-            batch = [self._outbox.get()]
-            while len(batch) < 256:
+            try:
+                batch = [self._outbox.get(timeout=max(0.0, next_series - time.monotonic()))]
+            except queue.Empty:
+                batch = []
+            while 0 < len(batch) < 256:
                 try:
                     batch.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
             messages = [m for m in batch if m is not None]
+            ending = len(messages) < len(batch)
+            if ending or time.monotonic() >= next_series:
+                next_series = time.monotonic() + SERIES_EVERY_S
+                changes = self._series.changes()
+                if changes:
+                    messages.append(ReplicaMessage(-1, "series", data={"changes": changes}))
             if messages:
                 yield messages
-            if len(messages) < len(batch):
+            if ending:
                 return
 
     def close(self) -> None:
