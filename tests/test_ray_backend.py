@@ -97,7 +97,8 @@ if not INSIDE:
             if _in_ci():
                 pytest.fail(f"CI=true: the Ray benchmark must run, but {reason}")
             pytest.skip(reason)
-        cmd = [sys.executable, "examples/bench_distributed.py", "--repeats", "1", "--steps", "2", "--tokens", "4"]
+        cmd = [sys.executable, "examples/bench_distributed.py", "--repeats", "1", "--steps", "2", "--tokens", "4",
+               "--frames", "2", "--frame-steps", "2"]
         proc = subprocess.Popen(cmd, cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
@@ -106,7 +107,9 @@ if not INSIDE:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
         assert proc.returncode == 0, output[-4000:]
-        assert "ray nodes: ['127.0.0.1']" in output and "ratio" in output and "added per token" in output, output
+        for line in ("ray nodes: ['127.0.0.1']", "ratio", "added per token", "img2img frame: local",
+                     "8 concurrent images: two 1-thread replicas"):
+            assert line in output, output
 
 else:
     import numpy as np
@@ -234,15 +237,19 @@ else:
         series = sd_ray.metrics.part(ReplicaMetrics)
         node_b = _node_with(cluster, "node_b")
 
-        def items(r):
+        def items(r, what="items"):
             labels = dict(stage="m/denoise", model="m", replica=str(r), device="cpu", node=node_b)
-            return series.items.labels(**labels)._value.get()
+            return getattr(series, what).labels(**labels)._value.get()
 
         before = [items(r) for r in (0, 1)]
+        sent = [items(r, "transfer_bytes") for r in (0, 1)]
         for handle in [_image(sd_ray, seed=s, steps=2) for s in range(6)]:
             handle.result(timeout=120)
         spread = [items(r) - before[r] for r in (0, 1)]
         assert min(spread) >= 1 and sum(spread) == 6, spread  # least loaded: both actors took some
+        # The edge: each image's text embeddings (at least 77 x 32 float32 in the demo) went to its actor.
+        moved = [items(r, "transfer_bytes") - sent[r] for r in (0, 1)]
+        assert all(m >= spread[r] * 77 * 32 * 4 for r, m in enumerate(moved)), (moved, spread)
         assert sd_ray.metrics.stage.max_batch_size("m/denoise", "m") >= 1 and pool.idle
 
     def test_a_realtime_video_session_stays_on_one_replica(cluster, sd_ray):
@@ -291,6 +298,14 @@ else:
         from transformers import AutoModelForCausalLM
 
         engine, path = llm_ray
+        sample = engine.metrics.registry.get_sample_value
+        deadline = time.monotonic() + 10
+        while sample("mmserve_llm_generated_tokens_total", {"model": "m"}) is None:  # the warm-up's
+            assert time.monotonic() < deadline, "the warm-up's series did not arrive"
+            time.sleep(0.05)
+        time.sleep(0.6)  # and its last report
+        tokens_before = sample("mmserve_llm_generated_tokens_total", {"model": "m"})
+        ttft_before = sample("mmserve_llm_time_to_first_token_seconds_count", {"model": "m"})
         handles = [_chat(engine, CHAT_PROMPT, 8) for _ in range(8)]
         outputs = []
         for handle in handles:
@@ -298,6 +313,14 @@ else:
             outputs.append((deltas, handle.result(timeout=5)["choices"][0]["token_ids"]))
         assert engine.executor.idle()
         assert engine.metrics.stage.max_batch_size("m/llm", "m") > 1  # the 8 requests shared steps in the actor
+        # The llm stage's own series, written in the actors, reach this process's /metrics (every 0.5 s).
+        deadline = time.monotonic() + 10
+        while (sample("mmserve_llm_generated_tokens_total", {"model": "m"}) or 0) - tokens_before < 64:
+            assert time.monotonic() < deadline, "the actors' token counts did not arrive"
+            time.sleep(0.05)
+        time.sleep(0.6)  # one more report: nothing is counted twice
+        assert sample("mmserve_llm_generated_tokens_total", {"model": "m"}) - tokens_before == 64
+        assert sample("mmserve_llm_time_to_first_token_seconds_count", {"model": "m"}) - ttft_before == 8
         model = AutoModelForCausalLM.from_pretrained(path)
         with torch.no_grad():
             ref = model.generate(torch.tensor([CHAT_PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
