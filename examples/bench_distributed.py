@@ -2,7 +2,7 @@
 side by side in one run; then, on the local backend, two placed denoise replicas vs one replica with their threads.
 
     python examples/bench_distributed.py [--checkpoint SD_DIR] [--llm LLM_DIR] [--steps 20] [--size 64]
-                                         [--tokens 64] [--frames 4] [--frame-steps 4] [--repeats 3]
+                                         [--tokens 64] [--frames 4] [--frame-steps 4] [--repeats 3] [--threads N]
                                          [--skip-replicas] [--ray-address HOST:PORT]
 
 1. An image of --steps denoise steps (text_encode -> denoise -> vae_decode): seconds per image.
@@ -17,7 +17,9 @@ side by side in one run; then, on the local backend, two placed denoise replicas
 
 Both sides are warmed first; then --repeats rounds, each running both sides with the order alternating between
 rounds. Every run is printed with the load average, then the medians and the ratios (ray / local; two replicas /
-one replica).
+one replica). By default each backend picks its own torch threads (every pool a team of all the cores; on the ray
+backend each team is alone in its actor's process, on the local one the pools' teams share one process), so the
+image ratio includes that difference; --threads 1 gives both sides the same single-threaded stages: the hop alone.
 
 Without --ray-address, Ray must stay on loopback (../shared/notes/distributed.md): the script runs itself again
 inside a fresh network and PID namespace (`unshare`, root or user namespaces needed) and starts a one-node Ray
@@ -61,12 +63,17 @@ def _start_local_ray(temp: str) -> str:
     return f"127.0.0.1:{PORT}"
 
 
-def _engines(sd: str, llm: str, address: str):
+def _engines(sd: str, llm: str, address: str, threads: int | None):
     from pipelines.chat import LLMConfig
     from pipelines.config import EngineConfig, ModelSpec
     from pipelines.engine import Engine
+    from stages.pool import PoolConfig
 
-    models = (ModelSpec("sd", sd), ModelSpec("llm", llm, family="causal-lm", llm=LLMConfig(kv_cache_mb=32)))
+    def pools(*kinds: str) -> dict[str, PoolConfig]:  # --threads: every stage's torch threads, on both sides
+        return {} if threads is None else {kind: PoolConfig(threads=threads) for kind in kinds}
+
+    models = (ModelSpec("sd", sd, pools=pools("text_encode", "denoise", "vae_decode")),
+              ModelSpec("llm", llm, family="causal-lm", llm=LLMConfig(kv_cache_mb=32), pools=pools("llm")))
     local = Engine(EngineConfig(models=models))
     ray = Engine(EngineConfig(models=models, backend="ray", ray_address=address))
     for engine in (local, ray):
@@ -215,7 +222,7 @@ def run(args) -> None:
 
     sd = args.checkpoint or str(build_demo_model("sd", Path(tmp) / "sd"))
     llm = args.llm or str(build_demo_model("llama", Path(tmp) / "llama"))
-    engines = _engines(sd, llm, address)
+    engines = _engines(sd, llm, address, args.threads)
     try:
         compare_backends(engines, args)
     finally:
@@ -238,6 +245,8 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=4, help="img2img frames per run (the run's median is reported)")
     p.add_argument("--frame-steps", type=int, default=4, help="num_inference_steps of an img2img frame")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, help="torch threads of every stage on both sides of the hop (default: each "
+                   "backend's own: the cores, per pool; in one process the pools' OpenMP teams then share the cores)")
     p.add_argument("--skip-replicas", action="store_true", help="leave out the two-replicas vs two-threads part")
     p.add_argument("--ray-address", help="an existing cluster's head (default: a one-node Ray in a namespace)")
     args = p.parse_args()
