@@ -329,6 +329,36 @@ else:
             assert ids == want
             assert len(deltas) == 8  # one delta a token, streamed
 
+    def _kill_a_busy_replica(pool) -> int:
+        """SIGKILL the process of one of the pool's two replicas once it has items in flight (their stage_started
+        came back); its index."""
+        victim = None
+        while victim is None:
+            with pool._cond:
+                victim = next((r for r in range(2) if pool._running & set(pool._sent[r])), None)
+            time.sleep(0.005)
+        os.kill(pool.replica_pid(victim), signal.SIGKILL)
+        return victim
+
+    def _outcomes(handles, ok) -> list:
+        """Each request's outcome: ok(its result), or "lost" for the retryable replica_lost (any other error fails)."""
+        outcomes = []
+        for handle in handles:
+            try:
+                outcomes.append(ok(handle.result(timeout=120)))
+            except StageError as exc:
+                assert exc.kind is ErrorKind.UNAVAILABLE and exc.code == "replica_lost", (exc.kind, exc.code)
+                outcomes.append("lost")
+        return outcomes
+
+    def _wait_until_back(pool, check=lambda: None) -> None:
+        """Until the killed replica is restarted, its stage loaded again and warmed (`check` runs meanwhile)."""
+        deadline = time.monotonic() + 120
+        while pool.live_replicas() < 2:
+            check()
+            assert time.monotonic() < deadline, "the killed replica did not come back"
+            time.sleep(0.1)
+
     def test_kill_9_mid_chat_leaves_no_kv_blocks(llm_ray):
         """20 streamed chats over two llm actors, one killed mid-run: only the chats it was running fail (retryable),
         the rest finish whole, the actor comes back, and neither replica holds a KV block or a sequence after."""
@@ -338,25 +368,11 @@ else:
         assert all(u["kv_blocks_used"] == 0 and u["sequences"] == 0 for u in baseline), baseline
         prompts = [[5 + (i * 11 + j) % 300 for j in range(20)] for i in range(20)]  # a first KV block of its own
         handles = [_chat(engine, p, 48) for p in prompts]
-        victim = None
-        while victim is None:  # a replica is generating (its items' stage_started came back)
-            with pool._cond:
-                victim = next((r for r in range(2) if pool._running & set(pool._sent[r])), None)
-            time.sleep(0.005)
-        os.kill(pool.replica_pid(victim), signal.SIGKILL)
-        outcomes = []
-        for handle in handles:
-            try:
-                outcomes.append(len(handle.result(timeout=120)["choices"][0]["token_ids"]))
-            except StageError as exc:
-                assert exc.kind is ErrorKind.UNAVAILABLE and exc.code == "replica_lost", (exc.kind, exc.code)
-                outcomes.append("lost")
+        victim = _kill_a_busy_replica(pool)
+        outcomes = _outcomes(handles, lambda result: len(result["choices"][0]["token_ids"]))
         lost = outcomes.count("lost")
         assert 1 <= lost <= pool._capacity and outcomes.count(48) == 20 - lost, outcomes
-        deadline = time.monotonic() + 120
-        while pool.live_replicas() < 2:
-            assert time.monotonic() < deadline, "the killed replica did not come back"
-            time.sleep(0.1)
+        _wait_until_back(pool)
         assert engine.executor.idle() and pool.idle
         survivor = 1 - victim
         after = [pool.usage(r) for r in (0, 1)]
@@ -368,27 +384,14 @@ else:
         pool = sd_ray.executor.pools["m/denoise"]
         assert sd_ray.health() == {"m": "ok"}
         handles = [_image(sd_ray, seed=s, steps=6) for s in range(20)]
-        victim = None
-        while victim is None:  # a replica has items in flight (their stage_started came back)
-            with pool._cond:
-                victim = next((r for r in range(2) if pool._running & set(pool._sent[r])), None)
-            time.sleep(0.005)
-        os.kill(pool.replica_pid(victim), signal.SIGKILL)
-        outcomes = []
-        for handle in handles:
-            try:
-                handle.result(timeout=120)
-                outcomes.append("ok")
-            except StageError as exc:
-                assert exc.kind is ErrorKind.UNAVAILABLE and exc.code == "replica_lost", (exc.kind, exc.code)
-                outcomes.append("lost")
+        victim = _kill_a_busy_replica(pool)
+        outcomes = _outcomes(handles, lambda result: "ok")
         lost = outcomes.count("lost")
         assert 1 <= lost <= pool._capacity and outcomes.count("ok") == 20 - lost, outcomes
-        deadline = time.monotonic() + 120
-        while pool.live_replicas() < 2:  # restarted, its stage loaded again and warmed
+        def degraded():
             assert sd_ray.health()["m"] == "degraded"
-            assert time.monotonic() < deadline, "the killed replica did not come back"
-            time.sleep(0.1)
+
+        _wait_until_back(pool, degraded)
         assert sd_ray.health() == {"m": "ok"}
         assert pool.replica_pid(victim) not in (None,) and all(_image(sd_ray, seed=s).result(timeout=120)
                                                                for s in range(2))
@@ -444,10 +447,7 @@ else:
         assert sorted(r["custom_id"] for r in records) == sorted(x["custom_id"] for x in lines)  # once each
         assert all(r["response"]["status_code"] == 200 for r in records)
         assert lost._value.get() - lost_before >= 1  # a line met the lost replica and ran again
-        deadline = time.monotonic() + 120
-        while pool.live_replicas() < 2:
-            assert time.monotonic() < deadline, "the killed replica did not come back"
-            time.sleep(0.1)
+        _wait_until_back(pool)
         assert sd_ray.executor.idle() and pool.idle
 
     def test_startup_errors_name_the_key(cluster, sd_path):
