@@ -22,6 +22,38 @@ from stages.pool import PoolConfig
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """One request's denoiser forward across several ranks of one replica ([models.parallel]; DESIGN §3).
+
+    cfg = 2: classifier-free guidance's two halves on two ranks (rank 0 the conditional, rank 1 the unconditional),
+    one exchange a step. The ranks' devices are the denoise pool's `devices` (one per rank); without them, a CPU
+    model starts that many CPU ranks, the cores shared between them. Sequence parallelism (ulysses, ring) and the
+    parallel VAE decode are not built yet: asking for them is an error naming the key."""
+
+    cfg: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    vae: bool = False
+
+    def __post_init__(self):
+        if self.cfg not in (1, 2):
+            raise ValueError(f"parallel.cfg must be 1 or 2 (the two halves of guidance), got {self.cfg!r}")
+        for key in ("ulysses", "ring"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{key} must be an integer >= 1, got {value!r}")
+            if value > 1:
+                raise ValueError(f"parallel.{key}: sequence parallelism is not built yet; parallel.cfg = 2 is")
+        if self.vae:
+            raise ValueError("parallel.vae: the parallel VAE decode is not built yet; parallel.cfg = 2 is")
+
+    @property
+    def world(self) -> int:
+        """Ranks of one replica."""
+        return self.cfg * self.ulysses * self.ring
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str  # the id clients use (`model` field)
     path: str  # local checkpoint directory or hub id
@@ -41,6 +73,7 @@ class ModelSpec:
     compile: CompileConfig = CompileConfig()
     step_cache: StepCacheConfig = StepCacheConfig()
     fused_kernels: bool = False
+    parallel: ParallelConfig = ParallelConfig()  # diffusion only: one denoise replica over several ranks
     # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
     # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
     # names no model gets a random-weight model only when no real-weight one does its task
@@ -57,12 +90,43 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if not (self.random_weights is None or isinstance(self.random_weights, bool)):
             raise ValueError(f"model {self.name}: random_weights must be true or false, got {self.random_weights!r}")
+        if self.parallel.world > 1:
+            self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        where, world = f"model {self.name}: ", self.parallel.world
+        denoise = self.pools.get("denoise", PoolConfig())
+        if denoise.devices and len(denoise.devices) != world:  # (a pool's replicas follow its devices' count)
+            raise ValueError(f"{where}pools.denoise.devices must list one device per rank ({world}: parallel.cfg x "
+                             f"ulysses x ring), got {len(denoise.devices)}")
+        if not denoise.devices and denoise.replicas != 1:
+            raise ValueError(f"{where}pools.denoise.replicas must be 1 with parallel (one replica of {world} ranks), "
+                             f"got {denoise.replicas}")
+        if not denoise.devices and self.device != "cpu":
+            raise ValueError(f"{where}pools.denoise.devices must list the {world} ranks' devices (a {self.device} "
+                             f"model starts CPU ranks only when device = \"cpu\")")
+        for key in ("graphs", "compile", "step_cache"):
+            if getattr(getattr(self, key), "enabled", False):
+                raise ValueError(f"{where}{key} does not combine with parallel yet (the ranks run the plain "
+                                 "denoiser)")
+        if self.graphs.batch_sizes or self.fused_kernels:
+            raise ValueError(f"{where}graphs and fused_kernels do not combine with parallel yet (the ranks run "
+                             "the plain denoiser)")
+
+    @property
+    def denoise_devices(self) -> tuple[str, ...]:
+        """One device per rank of the denoise replica (CPU ranks when the pool lists none)."""
+        devices = self.pools.get("denoise", PoolConfig()).devices
+        return tuple(devices) if devices else ("cpu",) * self.parallel.world
 
     def pool(self, kind: str, default: PoolConfig | None = None) -> PoolConfig:
         """The pool of one stage kind: configured, else `default`, else CPU_POOLS (a CPU model), else DEFAULT_POOLS;
         it runs on the model's device, or a placed pool on its first listed device (and the others, one per replica)."""
         cpu = CPU_POOLS.get(kind) if self.device == "cpu" else None
         config = self.pools.get(kind) or default or cpu or DEFAULT_POOLS.get(kind, PoolConfig())
+        if kind == "denoise" and self.parallel.world > 1:  # one replica; its devices are its ranks', rank 0's first
+            return dataclasses.replace(config, devices=(), replicas=1, device=self.denoise_devices[0]
+                                       if config.devices else self.device)
         return dataclasses.replace(config, device=config.devices[0] if config.devices else self.device)
 
     @property

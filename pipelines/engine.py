@@ -101,6 +101,10 @@ class Engine:
     def shutdown(self) -> None:
         self._ready.clear()
         self.executor.shutdown()
+        for served in self._served.values():
+            close = getattr(served, "close", None)  # a served model with processes of its own (parallel ranks)
+            if close is not None:
+                close()
         if self._media is not None:
             self._media.close()
         if self._ray is not None:

@@ -123,6 +123,10 @@ class ServedDiffusion:
         family: ImageFamily | VideoFamily = cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype,
                                                 prompt_cache=ctx.prompt_cache, **options)
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
+        if spec.parallel.world > 1:  # the denoise replica's other ranks: processes with the family loaded
+            from pipelines.parallel import start_ranks
+
+            family.ranks = start_ranks(spec, family_name, ctx.metrics)
         self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
         self.device = spec.device
         self.media, self.media_pool, self.decode_limits = ctx.media, ctx.media_pool, ctx.media_config.image
@@ -134,6 +138,11 @@ class ServedDiffusion:
         else:
             self.info = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor, family.default_size,
                                   random_weights=random_weights)
+
+    def close(self) -> None:
+        """Stop what runs outside the serving process (a parallel replica's ranks)."""
+        if self.model.ranks is not None:
+            self.model.ranks.close()
 
     def stages(self):
         video = isinstance(self.model, VideoFamily)
@@ -223,8 +232,8 @@ class ServedDiffusion:
                 engine.submit(self.name, VideoRequest(prompt="warm-up", width=width, height=height,
                                                       num_frames=num_frames, num_inference_steps=2, seed=0,
                                                       image=image)).result(timeout=600)
-        else:
-            size = info.size_factor * 2
+        else:  # a parallel replica's ranks run one row each at least: too few pixels for a UNet's group norms
+            size = info.size_factor * 2 if self.model.ranks is None else info.default_size
             for width, height in graphs.sizes or [(size, size)]:
                 engine.submit(self.name, ImageRequest(prompt="warm-up", width=width, height=height,
                                                       num_inference_steps=1, seed=0)).result(timeout=600)

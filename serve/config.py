@@ -80,6 +80,9 @@
     enabled = true
     [models.step_cache]           # stages.diffusion.step_cache.StepCacheConfig: requests may ask for step caching
     enabled = true                # (and fused_kernels = true in [[models]]: Triton norms and commit)
+    [models.parallel]             # diffusion: one denoise replica over several ranks (pipelines.config.ParallelConfig)
+    cfg = 2                       # guidance's halves on two ranks: pools.denoise.devices lists one device per rank,
+                                  # or a CPU model starts CPU ranks
 
 Unknown keys are errors (a typo must not silently fall back to a default).
 """
@@ -96,7 +99,7 @@ from typing import Any
 from pipelines.asr import ASR_FAMILY, AsrConfig
 from pipelines.chat import LLM_FAMILY, LLMConfig
 from pipelines.chat_parts import VLMConfig
-from pipelines.config import EngineConfig, MediaConfig, ModelSpec, RealtimeConfig, VoiceSpec
+from pipelines.config import EngineConfig, MediaConfig, ModelSpec, ParallelConfig, RealtimeConfig, VoiceSpec
 from pipelines.embeddings import CLIP_EMBEDDING_FAMILY, EMBEDDING_FAMILY
 from pipelines.image_request import ImageLimits
 from pipelines.video import VideoConfig
@@ -282,7 +285,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
-                  "video", "random_weights") + SPEEDUP_KEYS, where)
+                  "video", "random_weights", "parallel") + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")
@@ -301,6 +304,8 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
         values["asr"] = _build(AsrConfig, values["asr"], f"{where} asr")
     if "video" in values:  # video = {vae_tiling = true, default_size = [64, 64], limits = {max_frames = 65}}
         values["video"] = _build(VideoConfig, values["video"], f"{where} video")
+    if "parallel" in values:  # parallel = {cfg = 2}
+        values["parallel"] = _build(ParallelConfig, values["parallel"], f"{where} parallel")
     for key, cls in (("graphs", GraphConfig), ("compile", CompileConfig), ("step_cache", StepCacheConfig)):
         if key in values:  # graphs = {batch_sizes = [1, 2, 4], sizes = [[512, 512]]}; step_cache = {enabled = true}
             values[key] = _build(cls, values[key], f"{where} {key}")

@@ -11,6 +11,7 @@ import torch
 from pipelines.image_request import RequestError
 from stages.diffusion.block_stack import CacheSpec, RowGroup
 from stages.diffusion.denoiser import DenoiserCall, Speedups
+from stages.diffusion.ranks import RankGroup
 from stages.diffusion.step_cache import StepCacheState
 from stages.stage import WorkItem
 
@@ -44,6 +45,7 @@ class DenoiserSpeedups(SpeedupHost):
     denoiser_keys: tuple[str, ...] = ("unet",)  # the pipeline attributes holding denoisers
     speedups: Speedups
     denoiser: DenoiserCall
+    ranks: RankGroup | None = None  # a replica over several ranks ([models.parallel], pipelines/parallel.py)
 
     def accelerate(self, speedups: Speedups, metrics=None) -> None:
         """At load: fused norms, regional compile and step-cache wrappers on each denoiser; graphs per config."""
@@ -88,9 +90,15 @@ class DenoiserSpeedups(SpeedupHost):
 
     def denoise(self, key: str, items: list[WorkItem], sizes: list[int], batched: dict[str, Any],
                 shared: dict[str, Any] | None = None) -> list[torch.Tensor]:
-        """One batched denoiser forward through the speed-ups; split back per item."""
+        """One batched denoiser forward through the speed-ups, or across the replica's ranks (CFG-parallel, when
+        every item uses guidance); split back per item."""
         fn = functools.partial(self.call_denoiser, key)
-        out = self.denoiser(key, fn, batched, shared or {}, self.row_groups(items, sizes))
+        if self.ranks is not None and all(item.inputs["cond"]["cfg"] for item in items):
+            from pipelines.parallel import cfg_parallel
+
+            out = cfg_parallel(self.ranks, key, fn, batched, shared or {}, sizes)
+        else:
+            out = self.denoiser(key, fn, batched, shared or {}, self.row_groups(items, sizes))
         return self.split(out, sizes)
 
     def call_denoiser(self, key: str, *args: Any, **inputs: Any) -> torch.Tensor:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stages.metric_buckets import TIME_BUCKETS
 
 
 class DenoiseMetrics:
@@ -14,3 +16,8 @@ class DenoiseMetrics:
                                      ["stage", "model"], registry=r)
         self.step_cache_steps = Counter("mmserve_step_cache_steps_total", "Branch-steps of step-cached requests, "
                                         "computed or skipped", ["model", "method", "outcome"], registry=r)
+        self.parallel_step = Histogram("mmserve_parallel_step_seconds", "Compute of one rank's part of a parallel "
+                                       "denoiser forward", ["model", "rank"], buckets=TIME_BUCKETS, registry=r)
+        self.parallel_collective = Histogram("mmserve_parallel_collective_seconds", "Time one rank spent sending "
+                                             "and receiving a parallel denoiser forward's tensors", ["model", "rank"],
+                                             buckets=TIME_BUCKETS, registry=r)

@@ -1,0 +1,228 @@
+"""A multi-rank denoiser replica: the denoise stage's worker is rank 0, and ranks 1..N-1 are processes of their own,
+each with the denoiser loaded on its device, that run the parts of a forward rank 0 hands them (DESIGN §3).
+
+Rank 0 keeps everything a one-device replica does: the pool's queue, step-level batching, the commit (guidance and
+scheduler step), events, cancellation and deadlines at step boundaries. Per forward it broadcasts one header (which
+denoiser, the tensors' names, shapes and dtypes, as a pickled byte tensor) and the tensors of the part each other
+rank runs, runs its own part meanwhile, and receives each rank's output and its compute time. The collectives go
+through a torch.distributed process group of the replica's own (gloo on the CPU, NCCL on GPUs), not the default
+group, so one server may hold several parallel models; rendezvous is a file store and gloo binds loopback only
+(GLOO_SOCKET_IFNAME=lo), so nothing listens on the machine's interfaces. Every collective has a bounded timeout: a
+rank that dies fails the forward in flight (ErrorKind.UNAVAILABLE, `rank_lost`) and the group starts again, ranks
+reloaded, at the next forward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stages.events import ErrorKind, StageError
+
+log = logging.getLogger(__name__)
+
+HEADER_TAG, OUTPUT_TAG, TIMES_TAG = 1, 2, 3
+START_TIMEOUT_S = 600.0  # every rank has loaded its denoiser within this
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """How a replica's other ranks start: what each runs to load its denoiser, and where."""
+
+    # rank -> a picklable callable that loads, in the rank's process, the object whose `call_denoiser(key, **inputs)`
+    # runs one denoiser forward (the model family)
+    load: Callable[[int], Callable[[], Any]]
+    world: int
+    devices: tuple[str, ...]  # one per rank, rank 0's first
+    threads: int  # torch threads of each CPU rank
+    timeout_s: float = 120.0  # one collective; past it the forward fails and the group restarts
+
+
+def _process_group(store_path: str, rank: int, world: int, device: str, timeout_s: float):
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback, never the machine's interfaces
+    store = dist.FileStore(store_path, world)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.startswith("cuda"):
+        return dist.ProcessGroupNCCL(store, rank, world, timeout)  # type: ignore[arg-type]  # stubs: Options only
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _send_object(pg, value: Any, ranks: range, tag: int, device: torch.device) -> None:
+    """A small picklable value (a header) to each of `ranks`, as byte tensors on the group's device (NCCL sends
+    CUDA tensors only)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    for r in ranks:
+        pg.send([size], r, tag).wait()
+        pg.send([data], r, tag).wait()
+
+
+def _recv_object(pg, src: int, tag: int, device: torch.device) -> Any:
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    pg.recv([size], src, tag).wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    pg.recv([data], src, tag).wait()
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
+def rank_main(load: Callable[[], Any], rank: int, world: int, device: str, threads: int, store_path: str,
+              timeout_s: float) -> None:
+    """The body of rank `rank` > 0: load the denoiser, join the group, then run what rank 0 sends until it says
+    stop (or the group breaks: rank 0 is gone)."""
+    torch.set_num_threads(threads)
+    host = load()
+    pg = _process_group(store_path, rank, world, device, timeout_s)
+    pg.barrier().wait()  # loaded and joined: rank 0 waits for every rank here
+    dev = torch.device(device)
+    while True:
+        try:
+            header = _recv_object(pg, 0, HEADER_TAG, dev)
+        except RuntimeError:  # rank 0 closed the group
+            return
+        if header is None:
+            return
+        inputs: dict[str, Any] = dict(header["plain"])
+        for name, shape, dtype in header["tensors"]:
+            tensor = torch.empty(shape, dtype=dtype, device=dev)
+            pg.recv([tensor], 0, HEADER_TAG).wait()
+            inputs[name] = tensor
+        began = time.perf_counter()
+        with torch.inference_mode():
+            out = host.call_denoiser(header["key"], **inputs).contiguous()
+        compute = time.perf_counter() - began
+        sent = time.perf_counter()
+        pg.send([out], 0, OUTPUT_TAG).wait()
+        times = torch.tensor([compute, time.perf_counter() - sent], dtype=torch.float64, device=dev)
+        pg.send([times], 0, TIMES_TAG).wait()
+
+
+class RankGroup:
+    """Rank 0's side of a multi-rank replica: starts the other ranks (child processes) and runs forwards across
+    them. One forward at a time (the replica's one loop worker calls it)."""
+
+    def __init__(self, name: str, plan: RankPlan, observe: Callable[[int, float, float], None] | None = None):
+        """`observe(rank, compute_s, collective_s)` is told each rank's times of every forward."""
+        self.name = name
+        self.plan = plan
+        self.observe = observe or (lambda rank, compute, collective: None)
+        self._procs: list[Any] = []
+        self._pg: Any = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def world(self) -> int:
+        return self.plan.world
+
+    def start(self) -> None:
+        """Start ranks 1..N-1 and join the group with them (blocks until every rank has loaded)."""
+        self._dir = tempfile.TemporaryDirectory(prefix="mmserve-ranks-")
+        store = os.path.join(self._dir.name, "store")
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no torch threads or locks inherited
+        for rank in range(1, self.plan.world):
+            proc = ctx.Process(target=rank_main, name=f"{self.name}-rank{rank}", daemon=True, args=(
+                self.plan.load(rank), rank, self.plan.world, self.plan.devices[rank], self.plan.threads, store,
+                self.plan.timeout_s))
+            proc.start()
+            self._procs.append(proc)
+        self._pg = _process_group(store, 0, self.plan.world, self.plan.devices[0], START_TIMEOUT_S)
+        self._pg.barrier().wait()  # every rank has loaded and joined
+        self._pg.set_timeout(datetime.timedelta(seconds=self.plan.timeout_s))
+        log.info("%s: %d ranks joined (pids %s)", self.name, self.plan.world, [p.pid for p in self._procs])
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._pg is not None:
+            try:
+                _send_object(self._pg, None, range(1, self.plan.world), HEADER_TAG, torch.device(self.plan.devices[0]))
+            except RuntimeError:
+                pass
+        for proc in self._procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self._procs, self._pg = [], None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def forward(self, key: str, parts: list[dict[str, Any]], plain: dict[str, Any],
+                local: Callable[[dict[str, Any]], torch.Tensor]) -> list[torch.Tensor]:
+        """Run `parts[r]` (tensor inputs of one denoiser call) on rank r, each with the `plain` inputs too; rank
+        0's part through `local`. Each rank's output, in rank order. A rank that died or timed out: StageError
+        (unavailable, rank_lost), and the group starts again at the next call."""
+        with self._lock:
+            if self._pg is None:
+                self._collective(self.start)
+            dev = torch.device(self.plan.devices[0])
+            sent = time.perf_counter()
+            self._collective(lambda: self._send_parts(key, parts, plain, dev))
+            collective = time.perf_counter() - sent
+            began = time.perf_counter()
+            mine = local({**parts[0], **plain})
+            compute = time.perf_counter() - began
+            received = time.perf_counter()
+            theirs, times = self._collective(lambda: self._receive(mine, dev))
+            self.observe(0, compute, collective + time.perf_counter() - received)
+            for r, (compute_r, collective_r) in enumerate(times, start=1):
+                self.observe(r, compute_r, collective_r)
+            return [mine, *theirs]
+
+    def _collective(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RuntimeError as exc:  # a collective failed: a rank is gone or stuck (past the timeout)
+            log.error("%s: a rank was lost (%s); the ranks start again at the next step", self.name, exc)
+            self._kill()
+            raise StageError("rank_lost", f"a rank of {self.name}'s parallel denoiser was lost while it ran this "
+                             "request; the ranks are restarting: retry", kind=ErrorKind.UNAVAILABLE) from exc
+
+    def _send_parts(self, key: str, parts: list[dict[str, Any]], plain: dict[str, Any], dev: torch.device) -> None:
+        for r in range(1, self.plan.world):
+            tensors = {name: t.to(dev).contiguous() for name, t in parts[r].items()}
+            header = {"key": key, "plain": plain, "tensors": [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]}
+            _send_object(self._pg, header, range(r, r + 1), HEADER_TAG, dev)
+            for t in tensors.values():
+                self._pg.send([t], r, HEADER_TAG).wait()
+
+    def _receive(self, mine: torch.Tensor, dev: torch.device) -> tuple[list[torch.Tensor], list[list[float]]]:
+        outputs, times = [], []
+        for r in range(1, self.plan.world):
+            # every rank's part has rank 0's shape (CFG halves, sequence shards)
+            out = torch.empty(mine.shape, dtype=mine.dtype, device=dev)
+            self._pg.recv([out], r, OUTPUT_TAG).wait()
+            t = torch.empty(2, dtype=torch.float64, device=dev)
+            self._pg.recv([t], r, TIMES_TAG).wait()
+            outputs.append(out)
+            times.append(t.tolist())
+        return outputs, times
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        self._procs, self._pg = [], None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
