@@ -25,10 +25,12 @@ from stages.pool import PoolConfig
 class ParallelConfig:
     """One request's denoiser forward across several ranks of one replica ([models.parallel]; DESIGN §3).
 
-    cfg = 2: classifier-free guidance's two halves on two ranks (rank 0 the conditional, rank 1 the unconditional),
-    one exchange a step. The ranks' devices are the denoise pool's `devices` (one per rank); without them, a CPU
-    model starts that many CPU ranks, the cores shared between them. Sequence parallelism (ulysses, ring) and the
-    parallel VAE decode are not built yet: asking for them is an error naming the key."""
+    cfg = 2: classifier-free guidance's two halves on two groups of ranks (the conditional on rank 0's), one
+    exchange a step. ulysses = N: each half's sequence sharded over N ranks by diffusers' context-parallel hooks
+    (Ulysses all-to-all; transformers with a plan: flux, wan, ltx). world = cfg x ulysses x ring ranks. The ranks'
+    devices are the denoise pool's `devices` (one per rank); without them, a CPU model starts that many CPU ranks,
+    the cores shared between them. Ring attention and the parallel VAE decode are not built yet: asking for them is
+    an error naming the key."""
 
     cfg: int = 1
     ulysses: int = 1
@@ -42,8 +44,9 @@ class ParallelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{key} must be an integer >= 1, got {value!r}")
-            if value > 1:
-                raise ValueError(f"parallel.{key}: sequence parallelism is not built yet; parallel.cfg = 2 is")
+        if self.ring > 1:
+            raise ValueError("parallel.ring: ring attention is not built yet (diffusers' needs an attention backend "
+                             "that returns the log-sum-exp, which the CPU's does not); ulysses and cfg are")
         if self.vae:
             raise ValueError("parallel.vae: the parallel VAE decode is not built yet; parallel.cfg = 2 is")
 

@@ -53,9 +53,76 @@ class FamilyLoaders:
         return FamilyLoader(plain, self.family, self.spec.denoise_devices[rank])
 
 
-def start_ranks(spec: ModelSpec, family: str, metrics: Metrics) -> RankGroup:
+@dataclass(frozen=True)
+class SequenceParallel:
+    """What every rank runs once its family is loaded (RankPlan.setup) when the replica shards the sequence: join
+    torch.distributed's world (gloo on the CPU, NCCL on GPUs; a file store), build the (cfg, ring, ulysses) mesh and
+    put diffusers' context-parallel hooks (the transformer's `_cp_plan`, Ulysses all-to-all) on each denoiser. On
+    a restart the world is joined again and the hooks get the new mesh."""
+
+    parallel: ParallelConfig
+    device: str  # rank 0's; the others' type is the same
+    timeout_s: float = 120.0
+
+    def __call__(self, host: Any, rank: int, store_dir: str) -> None:
+        import datetime
+        import os
+
+        import torch.distributed as dist
+        from diffusers import ContextParallelConfig
+        from diffusers import ParallelConfig as DiffusersParallel
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        if dist.is_initialized():  # a restart: the old world's peers are gone
+            dist.destroy_process_group()
+        p, world = self.parallel, self.parallel.world
+        kind = "cuda" if self.device.startswith("cuda") else "cpu"
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world,
+                                store=dist.FileStore(os.path.join(store_dir, "world"), world),
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        mesh = init_device_mesh(kind, (p.cfg, p.ring, p.ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+        device = torch.device(self.device) if kind == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        for key in host.denoiser_keys:
+            module = getattr(host.pipe, key, None)
+            if module is None:
+                continue
+            config = getattr(module, "_parallel_config", None)
+            if config is not None:  # hooks in place: the new mesh
+                config.context_parallel_config.setup(rank, world, device, mesh)
+                continue
+
+            def resolve(config, module=module):  # diffusers' own divides by the accelerator count: 0 on a CPU
+                config.setup(rank, world, device, mesh=mesh)
+                module._parallel_config = config
+                return config
+
+            module._resolve_parallel_config = resolve
+            module.enable_parallelism(config=DiffusersParallel(context_parallel_config=ContextParallelConfig(
+                ulysses_degree=p.ulysses, ring_degree=p.ring)))
+
+
+def check_sequence_parallel(family: Any, parallel: ParallelConfig) -> None:
+    """At load: the family's denoisers have a context-parallel plan and heads the Ulysses degree divides; else a
+    ValueError naming parallel.ulysses."""
+    for key in family.denoiser_keys:
+        module = getattr(family.pipe, key, None)
+        if module is None:
+            continue
+        if not getattr(module, "_cp_plan", None):
+            raise ValueError(f"parallel.ulysses: the {type(module).__name__} of family {family.family} has no "
+                             "context-parallel plan (sequence parallelism covers flux, wan and ltx)")
+        heads = getattr(module.config, "num_attention_heads", None)
+        if heads is not None and heads % parallel.ulysses:
+            raise ValueError(f"parallel.ulysses = {parallel.ulysses} must divide the {heads} attention heads of "
+                             f"{type(module).__name__}")
+
+
+def start_ranks(spec: ModelSpec, family_name: str, family: Any, metrics: Metrics) -> RankGroup:
     """The replica's other ranks, started and joined (each has loaded the family on its device)."""
-    world = spec.parallel.world
+    parallel = spec.parallel
+    if parallel.ulysses * parallel.ring > 1:
+        check_sequence_parallel(family, parallel)
     series = metrics.denoise
 
     def observe(rank: int, compute: float, collective: float) -> None:
@@ -63,17 +130,27 @@ def start_ranks(spec: ModelSpec, family: str, metrics: Metrics) -> RankGroup:
         series.parallel_collective.labels(model=spec.name, rank=str(rank)).observe(collective)
 
     threads = spec.pools.get("denoise", PoolConfig()).threads
-    plan = RankPlan(FamilyLoaders(spec, family), world, spec.denoise_devices,
-                    threads or max(1, available_cores() // world))
-    group = RankGroup(f"{spec.name}/denoise", plan, observe)
+    setup = SequenceParallel(parallel, spec.denoise_devices[0]) if parallel.ulysses * parallel.ring > 1 else None
+    plan = RankPlan(FamilyLoaders(spec, family_name), parallel.world, spec.denoise_devices,
+                    threads or max(1, available_cores() // parallel.world), setup=setup)
+    group = RankGroup(f"{spec.name}/denoise", plan, observe, host=family)
     group.start()
     return group
 
 
-def cfg_parallel(ranks: RankGroup, key: str, fn: Callable[..., torch.Tensor], batched: dict[str, Any],
-                 shared: dict[str, Any], sizes: list[int]) -> torch.Tensor:
-    """One CFG forward over a batch whose items each hold [uncond x n, cond x n] rows: the cond rows run here (rank
-    0), the uncond rows on rank 1; the output in the batch's row order."""
+def parallel_forward(family: Any, key: str, fn: Callable[..., torch.Tensor], batched: dict[str, Any],
+                     shared: dict[str, Any], cfg: bool, sizes: list[int]) -> torch.Tensor | None:
+    """One denoiser forward across the replica's ranks, or None when this batch does not split (no guidance on a
+    cfg-only replica: rank 0 runs it alone).
+
+    cfg = 2 with a guided batch (each item's rows [uncond x n, cond x n]): ranks 0..u-1 run the cond rows, ranks
+    u..2u-1 the uncond rows (u = ulysses x ring ranks a half); each half's sequence is sharded across its u ranks
+    by diffusers' hooks, which gather the output on each. Otherwise with sequence parallel every rank of the first
+    half runs the whole batch."""
+    p, ranks = family.parallel, family.ranks
+    shard = p.ulysses * p.ring
+    if shard == 1 and not cfg:
+        return None
     uncond: list[int] = []
     cond: list[int] = []
     start = 0
@@ -88,13 +165,41 @@ def cfg_parallel(ranks: RankGroup, key: str, fn: Callable[..., torch.Tensor], ba
     whole = {name: v for name, v in {**batched, **shared}.items() if isinstance(v, torch.Tensor) and name not in
              rows_of}
     plain = {name: v for name, v in {**batched, **shared}.items() if not isinstance(v, torch.Tensor)}
+    if shard > 1:
+        _check_shards(family, key, {**rows_of, **whole}, shard)
 
-    def part(index: list[int]) -> dict[str, torch.Tensor]:
+    def part(index: list[int] | None) -> dict[str, torch.Tensor]:
+        if index is None:
+            return {**rows_of, **whole}
         idx = torch.tensor(index, device=next(iter(rows_of.values())).device)
         return {**{name: v.index_select(0, idx) for name, v in rows_of.items()}, **whole}
 
-    mine, theirs = ranks.forward(key, [part(cond), part(uncond)], plain, lambda inputs: fn(**inputs))
+    if not cfg:  # the first cfg group runs everything; a second one sits this forward out
+        parts = [part(None) if r < shard else None for r in range(p.world)]
+        return ranks.forward(key, parts, plain, lambda inputs: fn(**inputs), replies=set())[0]
+    halves = (part(cond), part(uncond))
+    parts = [halves[r // shard] for r in range(p.world)]
+    outputs = ranks.forward(key, parts, plain, lambda inputs: fn(**inputs), replies={shard})
+    mine, theirs = outputs[0], outputs[shard]
+    assert mine is not None and theirs is not None  # rank 0 and the uncond half's first rank reply
     out = mine.new_empty((total, *mine.shape[1:]))
     out[cond] = mine
     out[uncond] = theirs.to(mine.device)
     return out
+
+
+def _check_shards(family: Any, key: str, inputs: dict[str, torch.Tensor], shard: int) -> None:
+    """The inputs a context-parallel plan splits at the denoiser's entry divide among `shard` ranks; else the
+    request is refused naming its size (no rank has started the forward, so the group stays in step)."""
+    from stages.events import ErrorKind, StageError
+
+    plan = getattr(getattr(family.pipe, key), "_cp_plan", {}).get("", {})
+    for name, entry in plan.items():
+        tensor = inputs.get(name) if isinstance(name, str) else None
+        split, dims = getattr(entry, "split_dim", None), getattr(entry, "expected_dims", None)
+        if tensor is None or split is None or dims is not None and tensor.dim() != dims:  # the hook skips it too
+            continue
+        if tensor.shape[split] % shard:
+            raise StageError("unsupported_size", f"the sequence of {name} ({tensor.shape[split]} tokens) does not "
+                             f"split among the {shard} sequence-parallel ranks of {family.name}: pick a size whose "
+                             f"token count it divides", param="size", kind=ErrorKind.INVALID)

@@ -126,7 +126,8 @@ class ServedDiffusion:
         if spec.parallel.world > 1:  # the denoise replica's other ranks: processes with the family loaded
             from pipelines.parallel import start_ranks
 
-            family.ranks = start_ranks(spec, family_name, ctx.metrics)
+            family.parallel = spec.parallel
+            family.ranks = start_ranks(spec, family_name, family, ctx.metrics)
         self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
         self.device = spec.device
         self.media, self.media_pool, self.decode_limits = ctx.media, ctx.media_pool, ctx.media_config.image

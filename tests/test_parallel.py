@@ -1,4 +1,5 @@
-"""A denoise replica over two ranks (CFG-parallel, [models.parallel] cfg = 2) on the CPU with gloo: the output
+"""A denoise replica over several ranks on the CPU with gloo ([models.parallel]: cfg = 2, ulysses = 2, and both
+on four ranks): the output
 equals the one-device engine's within float rounding (each guidance half runs as a batch of its own, and a
 kernel's blocking can depend on the batch: measured <= 3e-6 on [0, 1] pixels, checked at 1e-4, a fortieth of one
 8-bit level), alone and with requests batched at different steps; per-rank
@@ -15,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from pipelines.config import EngineConfig, ModelSpec, ParallelConfig
 from pipelines.engine import Engine
@@ -58,6 +60,10 @@ def _image(engine, seed: int, steps: int = 6):
 
 def _ranks(engine):
     return engine._served["m"].model.ranks
+
+
+def _ranks_host(engine):
+    return engine._served["m"].model
 
 
 def _sample(engine, name: str, rank: int) -> float:
@@ -154,9 +160,68 @@ def test_wan_cfg_parallel_equals_one_device(tmp_path):
     assert_close(np.asarray(got, dtype=np.float32), np.asarray(want, dtype=np.float32))
 
 
+@pytest.fixture(scope="module")
+def flux_path(tmp_path_factory):
+    from pipelines.demo import build_demo_model
+
+    return str(build_demo_model("flux", tmp_path_factory.mktemp("flux-demo") / "flux"))
+
+
+def _flux(engine, seed: int, *, cfg: bool = False, size: int = 64):
+    extra, negative = ({"true_cfg_scale": 2.0}, "blurry") if cfg else ({}, None)
+    request = ImageRequest(prompt="a red cube", width=size, height=size, num_inference_steps=4, seed=seed,
+                           negative_prompt=negative, extra=extra)
+    return engine.submit_image("m", request)
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(ulysses=2), ParallelConfig(cfg=2, ulysses=2)],
+                         ids=["ulysses2", "cfg2-ulysses2"])
+def test_flux_sequence_parallel_equals_one_device(flux_path, parallel):
+    """Ulysses through diffusers' context-parallel hooks: each half's image and text tokens sharded over two ranks,
+    all-to-all in attention; with cfg = 2 the two halves run on two such pairs (four ranks)."""
+    with running_engine(flux_path, pools=THREADS) as plain:
+        want = [_flux(plain, 3).result(timeout=120)["pixels"], _flux(plain, 4, cfg=True).result(timeout=120)["pixels"]]
+    with running_engine(flux_path, pools=THREADS, parallel=parallel) as eng:
+        got = [_flux(eng, 3).result(timeout=120)["pixels"], _flux(eng, 4, cfg=True).result(timeout=120)["pixels"]]
+        steps = [_sample(eng, "mmserve_parallel_step_seconds_count", r) for r in range(parallel.world)]
+        # A sequence two ranks cannot split (9 image tokens: FLUX.1 at 48 px; the demo's VAE makes every size even)
+        # is refused naming the size before any rank starts the forward.
+        from pipelines.parallel import _check_shards
+
+        with pytest.raises(StageError) as info:
+            _check_shards(_ranks_host(eng), "transformer", {"hidden_states": torch.zeros(1, 9, 64)}, 2)
+        assert info.value.kind is ErrorKind.INVALID and info.value.param == "size", info.value
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert min(steps[:2]) >= 8  # the first pair ran both images' steps (and the warm-up's)
+    if parallel.cfg == 2:
+        assert min(steps[2:]) == 4  # the second pair ran the guided image's unconditional half only
+
+
+def test_wan_ulysses_equals_one_device(tmp_path):
+    from pipelines.demo import build_demo_model
+
+    path = str(build_demo_model("wan", tmp_path / "wan"))
+    request = VideoRequest(prompt="a fox", width=32, height=32, num_frames=5, num_inference_steps=3, seed=2)
+    with running_engine(path, pools=THREADS) as eng:
+        want = eng.submit_video("m", request).result(timeout=120)["frames"]
+    with running_engine(path, pools=THREADS, parallel=ParallelConfig(ulysses=2)) as eng:
+        got = eng.submit_video("m", request).result(timeout=120)["frames"]
+        assert _sample(eng, "mmserve_parallel_step_seconds_count", 1) >= 3  # rank 1 held half of each step's tokens
+    assert_close(np.asarray(got, dtype=np.float32), np.asarray(want, dtype=np.float32))
+
+
+def test_a_unet_has_no_sequence_to_shard(sd_path):
+    engine = Engine(EngineConfig(models=(ModelSpec("m", sd_path, parallel=ParallelConfig(ulysses=2)),)))
+    with pytest.raises(ValueError, match="parallel.ulysses: the UNet2DConditionModel of family sd has no "
+                                         "context-parallel plan"):
+        engine.start()
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(parallel=dict(cfg=3)), "parallel.cfg must be 1 or 2"),
-    (dict(parallel=dict(ulysses=2)), "parallel.ulysses: sequence parallelism is not built yet"),
+    (dict(parallel=dict(ring=2)), "parallel.ring: ring attention is not built yet"),
     (dict(parallel=dict(vae=True)), "parallel.vae: the parallel VAE decode is not built yet"),
     (dict(parallel=dict(cfg=2), pools={"denoise": PoolConfig(replicas=2)}), "pools.denoise.replicas must be 1"),
     (dict(parallel=dict(cfg=2), pools={"denoise": PoolConfig(devices=("cpu", "cpu", "cpu"))}),

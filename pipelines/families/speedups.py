@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pipelines.config import ParallelConfig
 from pipelines.image_request import RequestError
 from stages.diffusion.block_stack import CacheSpec, RowGroup
 from stages.diffusion.denoiser import DenoiserCall, Speedups
@@ -46,6 +47,7 @@ class DenoiserSpeedups(SpeedupHost):
     speedups: Speedups
     denoiser: DenoiserCall
     ranks: RankGroup | None = None  # a replica over several ranks ([models.parallel], pipelines/parallel.py)
+    parallel: ParallelConfig = ParallelConfig()
 
     def accelerate(self, speedups: Speedups, metrics=None) -> None:
         """At load: fused norms, regional compile and step-cache wrappers on each denoiser; graphs per config."""
@@ -93,11 +95,13 @@ class DenoiserSpeedups(SpeedupHost):
         """One batched denoiser forward through the speed-ups, or across the replica's ranks (CFG-parallel, when
         every item uses guidance); split back per item."""
         fn = functools.partial(self.call_denoiser, key)
-        if self.ranks is not None and all(item.inputs["cond"]["cfg"] for item in items):
-            from pipelines.parallel import cfg_parallel
+        out = None
+        if self.ranks is not None:
+            from pipelines.parallel import parallel_forward
 
-            out = cfg_parallel(self.ranks, key, fn, batched, shared or {}, sizes)
-        else:
+            cfg = all(item.inputs["cond"]["cfg"] for item in items)
+            out = parallel_forward(self, key, fn, batched, shared or {}, cfg and self.parallel.cfg == 2, sizes)
+        if out is None:
             out = self.denoiser(key, fn, batched, shared or {}, self.row_groups(items, sizes))
         return self.split(out, sizes)
 

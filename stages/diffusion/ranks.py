@@ -32,7 +32,7 @@ from stages.events import ErrorKind, StageError
 
 log = logging.getLogger(__name__)
 
-HEADER_TAG, OUTPUT_TAG, TIMES_TAG = 1, 2, 3
+HEADER_TAG, OUTPUT_TAG, TIMES_TAG, STATUS_TAG = 1, 2, 3, 4
 START_TIMEOUT_S = 600.0  # every rank has loaded its denoiser within this
 
 
@@ -47,6 +47,10 @@ class RankPlan:
     devices: tuple[str, ...]  # one per rank, rank 0's first
     threads: int  # torch threads of each CPU rank
     timeout_s: float = 120.0  # one collective; past it the forward fails and the group restarts
+    # What every rank (0 included) runs once loaded, before the group joins: setup(host, rank, store_dir) joins
+    # what the host's own parallelism needs (sequence parallel: torch.distributed's world and a device mesh, its
+    # rendezvous a file under store_dir). Picklable; None: nothing.
+    setup: Callable[[Any, int, str], None] | None = None
 
 
 def _process_group(store_path: str, rank: int, world: int, device: str, timeout_s: float):
@@ -78,13 +82,22 @@ def _recv_object(pg, src: int, tag: int, device: torch.device) -> Any:
     return pickle.loads(data.cpu().numpy().tobytes())
 
 
-def rank_main(load: Callable[[], Any], rank: int, world: int, device: str, threads: int, store_path: str,
-              timeout_s: float) -> None:
+def ready(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor whose data is there: a context-parallel output may be a functional collective's result still
+    in flight (AsyncCollectiveTensor), whose memory must not be read before it is waited on."""
+    wait = getattr(tensor, "wait", None)
+    return wait() if callable(wait) else tensor
+
+
+def rank_main(load: Callable[[], Any], setup: Callable[[Any, int, str], None] | None, rank: int, world: int,
+              device: str, threads: int, store_dir: str, timeout_s: float) -> None:
     """The body of rank `rank` > 0: load the denoiser, join the group, then run what rank 0 sends until it says
-    stop (or the group breaks: rank 0 is gone)."""
+    stop (or the group breaks: rank 0 is gone). A forward that raises is reported to rank 0, not fatal."""
     torch.set_num_threads(threads)
     host = load()
-    pg = _process_group(store_path, rank, world, device, timeout_s)
+    if setup is not None:
+        setup(host, rank, store_dir)
+    pg = _process_group(os.path.join(store_dir, "store"), rank, world, device, timeout_s)
     pg.barrier().wait()  # loaded and joined: rank 0 waits for every rank here
     dev = torch.device(device)
     while True:
@@ -100,12 +113,18 @@ def rank_main(load: Callable[[], Any], rank: int, world: int, device: str, threa
             pg.recv([tensor], 0, HEADER_TAG).wait()
             inputs[name] = tensor
         began = time.perf_counter()
-        with torch.inference_mode():
-            out = host.call_denoiser(header["key"], **inputs).contiguous()
-        compute = time.perf_counter() - began
+        try:
+            with torch.inference_mode():
+                out = ready(host.call_denoiser(header["key"], **inputs)).contiguous()
+            error = None
+        except Exception as exc:  # the same inputs fail on every rank alike (a shape a shard cannot split)
+            out, error = None, f"{type(exc).__name__}: {exc}"
+        status = {"error": error, "compute": time.perf_counter() - began}
         sent = time.perf_counter()
-        pg.send([out], 0, OUTPUT_TAG).wait()
-        times = torch.tensor([compute, time.perf_counter() - sent], dtype=torch.float64, device=dev)
+        _send_object(pg, status, range(0, 1), STATUS_TAG, dev)
+        if out is not None and header["reply"]:
+            pg.send([out], 0, OUTPUT_TAG).wait()
+        times = torch.tensor([status["compute"], time.perf_counter() - sent], dtype=torch.float64, device=dev)
         pg.send([times], 0, TIMES_TAG).wait()
 
 
@@ -113,10 +132,13 @@ class RankGroup:
     """Rank 0's side of a multi-rank replica: starts the other ranks (child processes) and runs forwards across
     them. One forward at a time (the replica's one loop worker calls it)."""
 
-    def __init__(self, name: str, plan: RankPlan, observe: Callable[[int, float, float], None] | None = None):
-        """`observe(rank, compute_s, collective_s)` is told each rank's times of every forward."""
+    def __init__(self, name: str, plan: RankPlan, observe: Callable[[int, float, float], None] | None = None,
+                 host: Any = None):
+        """`observe(rank, compute_s, collective_s)` is told each rank's times of every forward; `host` is rank 0's
+        (what plan.setup prepares here)."""
         self.name = name
         self.plan = plan
+        self.host = host
         self.observe = observe or (lambda rank, compute, collective: None)
         self._procs: list[Any] = []
         self._pg: Any = None
@@ -130,15 +152,17 @@ class RankGroup:
     def start(self) -> None:
         """Start ranks 1..N-1 and join the group with them (blocks until every rank has loaded)."""
         self._dir = tempfile.TemporaryDirectory(prefix="mmserve-ranks-")
-        store = os.path.join(self._dir.name, "store")
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch threads or locks inherited
         for rank in range(1, self.plan.world):
             proc = ctx.Process(target=rank_main, name=f"{self.name}-rank{rank}", daemon=True, args=(
-                self.plan.load(rank), rank, self.plan.world, self.plan.devices[rank], self.plan.threads, store,
-                self.plan.timeout_s))
+                self.plan.load(rank), self.plan.setup, rank, self.plan.world, self.plan.devices[rank],
+                self.plan.threads, self._dir.name, self.plan.timeout_s))
             proc.start()
             self._procs.append(proc)
-        self._pg = _process_group(store, 0, self.plan.world, self.plan.devices[0], START_TIMEOUT_S)
+        if self.plan.setup is not None:
+            self.plan.setup(self.host, 0, self._dir.name)
+        self._pg = _process_group(os.path.join(self._dir.name, "store"), 0, self.plan.world, self.plan.devices[0],
+                                  START_TIMEOUT_S)
         self._pg.barrier().wait()  # every rank has loaded and joined
         self._pg.set_timeout(datetime.timedelta(seconds=self.plan.timeout_s))
         log.info("%s: %d ranks joined (pids %s)", self.name, self.plan.world, [p.pid for p in self._procs])
@@ -166,27 +190,38 @@ class RankGroup:
             self._dir.cleanup()
             self._dir = None
 
-    def forward(self, key: str, parts: list[dict[str, Any]], plain: dict[str, Any],
-                local: Callable[[dict[str, Any]], torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, key: str, parts: list[dict[str, Any] | None], plain: dict[str, Any],
+                local: Callable[[dict[str, Any]], torch.Tensor], replies: set[int] | None = None
+                ) -> list[torch.Tensor | None]:
         """Run `parts[r]` (tensor inputs of one denoiser call) on rank r, each with the `plain` inputs too; rank
-        0's part through `local`. Each rank's output, in rank order. A rank that died or timed out: StageError
-        (unavailable, rank_lost), and the group starts again at the next call."""
+        0's part through `local`; a rank whose part is None sits this one out. Each rank's output in rank order:
+        rank 0's, and those of `replies` (None: every rank; the others None). A rank that died or timed out:
+        StageError (unavailable, rank_lost), and the group starts again at the next call; a forward that raised on
+        the ranks: StageError naming it."""
         with self._lock:
             if self._pg is None:
                 self._collective(self.start)
+            replies = set(range(1, self.plan.world)) if replies is None else replies
             dev = torch.device(self.plan.devices[0])
             sent = time.perf_counter()
-            self._collective(lambda: self._send_parts(key, parts, plain, dev))
+            self._collective(lambda: self._send_parts(key, parts, plain, replies, dev))
             collective = time.perf_counter() - sent
             began = time.perf_counter()
-            mine = local({**parts[0], **plain})
+            try:
+                mine, failed = ready(local({**(parts[0] or {}), **plain})), None
+            except Exception as exc:  # the others met the same: their statuses are read before it is raised
+                mine, failed = None, exc
             compute = time.perf_counter() - began
             received = time.perf_counter()
-            theirs, times = self._collective(lambda: self._receive(mine, dev))
+            busy = [r for r in range(1, self.plan.world) if parts[r] is not None]
+            theirs, times, errors = self._collective(lambda: self._receive(mine, busy, replies, dev))
+            if failed is not None or errors:
+                raise StageError("parallel_forward_failed", f"the parallel denoiser of {self.name} failed: "
+                                 f"{failed or errors[0]}", kind=ErrorKind.INTERNAL) from failed
             self.observe(0, compute, collective + time.perf_counter() - received)
-            for r, (compute_r, collective_r) in enumerate(times, start=1):
+            for r, (compute_r, collective_r) in zip(busy, times, strict=True):
                 self.observe(r, compute_r, collective_r)
-            return [mine, *theirs]
+            return [mine, *(theirs.get(r) for r in range(1, self.plan.world))]
 
     def _collective(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -197,25 +232,37 @@ class RankGroup:
             raise StageError("rank_lost", f"a rank of {self.name}'s parallel denoiser was lost while it ran this "
                              "request; the ranks are restarting: retry", kind=ErrorKind.UNAVAILABLE) from exc
 
-    def _send_parts(self, key: str, parts: list[dict[str, Any]], plain: dict[str, Any], dev: torch.device) -> None:
+    def _send_parts(self, key: str, parts: list[dict[str, Any] | None], plain: dict[str, Any], replies: set[int],
+                    dev: torch.device) -> None:
         for r in range(1, self.plan.world):
-            tensors = {name: t.to(dev).contiguous() for name, t in parts[r].items()}
-            header = {"key": key, "plain": plain, "tensors": [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]}
+            part = parts[r]
+            if part is None:
+                continue
+            tensors = {name: t.to(dev).contiguous() for name, t in part.items()}
+            header = {"key": key, "plain": plain, "reply": r in replies,
+                      "tensors": [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]}
             _send_object(self._pg, header, range(r, r + 1), HEADER_TAG, dev)
             for t in tensors.values():
                 self._pg.send([t], r, HEADER_TAG).wait()
 
-    def _receive(self, mine: torch.Tensor, dev: torch.device) -> tuple[list[torch.Tensor], list[list[float]]]:
-        outputs, times = [], []
-        for r in range(1, self.plan.world):
-            # every rank's part has rank 0's shape (CFG halves, sequence shards)
-            out = torch.empty(mine.shape, dtype=mine.dtype, device=dev)
-            self._pg.recv([out], r, OUTPUT_TAG).wait()
+    def _receive(self, mine: torch.Tensor | None, busy: list[int], replies: set[int], dev: torch.device
+                 ) -> tuple[dict[int, torch.Tensor], list[list[float]], list[str]]:
+        outputs: dict[int, torch.Tensor] = {}
+        times, errors = [], []
+        for r in busy:
+            status = _recv_object(self._pg, r, STATUS_TAG, dev)
+            if status["error"] is None and r in replies:
+                if mine is None:  # rank 0 failed where rank r did not: the group is out of step
+                    raise RuntimeError(f"rank {r} ran a forward that failed on rank 0")
+                out = torch.empty(mine.shape, dtype=mine.dtype, device=dev)  # every part has rank 0's shape
+                self._pg.recv([out], r, OUTPUT_TAG).wait()
+                outputs[r] = out
+            elif status["error"] is not None:
+                errors.append(f"rank {r}: {status['error']}")
             t = torch.empty(2, dtype=torch.float64, device=dev)
             self._pg.recv([t], r, TIMES_TAG).wait()
-            outputs.append(out)
             times.append(t.tolist())
-        return outputs, times
+        return outputs, times, errors
 
     def _kill(self) -> None:
         for proc in self._procs:
