@@ -198,6 +198,26 @@ def test_flux_sequence_parallel_equals_one_device(flux_path, parallel):
         assert min(steps[2:]) == 4  # the second pair ran the guided image's unconditional half only
 
 
+def test_a_killed_sequence_parallel_rank_restarts_the_world(flux_path):
+    """Rank 1 dies inside a step's all-to-all: the step fails (rank_lost), not hangs; the next request joins a new
+    world (rank 0's default group and mesh again, the hooks given the new mesh) and equals one device."""
+    with running_engine(flux_path, pools=THREADS) as plain:
+        want = _flux(plain, 8).result(timeout=120)["pixels"]
+    with running_engine(flux_path, pools=THREADS, parallel=ParallelConfig(ulysses=2)) as eng:
+        victim = _ranks(eng).pids()[0]
+        request = ImageRequest(prompt="a red cube", width=64, height=64, num_inference_steps=200, seed=8)
+        handle = eng.submit_image("m", request)
+        for event in handle.events(timeout=120):
+            if event.kind is EventKind.PROGRESS and event.data["step"] == 2:
+                break
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(StageError) as info:
+            handle.result(timeout=60)
+        assert info.value.kind is ErrorKind.UNAVAILABLE and info.value.code == "rank_lost", info.value
+        assert_close(_flux(eng, 8).result(timeout=120)["pixels"], want)
+        assert victim not in _ranks(eng).pids()
+
+
 def test_wan_ulysses_equals_one_device(tmp_path):
     from pipelines.demo import build_demo_model
 
