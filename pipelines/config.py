@@ -280,7 +280,12 @@ class EngineConfig:
             if not host or not port.isdigit():
                 raise ValueError(f"engine.ray_address must be HOST:PORT of the Ray head (127.0.0.1:6379), got "
                                  f"{self.ray_address!r}")
-        if self.backend != "ray":
+        if self.backend == "ray":
+            for spec in self.models:
+                if spec.parallel.world > 1:
+                    raise ValueError(f"model {spec.name}: parallel runs its ranks on the local backend only for now "
+                                     "(ranks as Ray actors in one STRICT_PACK placement group are not built yet)")
+        else:
             for spec in self.models:
                 for kind, pool in spec.pools.items():
                     for key in ("resources", "num_gpus"):

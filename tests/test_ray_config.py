@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipelines.config import EngineConfig, ModelSpec
+from pipelines.config import EngineConfig, ModelSpec, ParallelConfig
 from serve.config import load_config
 from stages.pool import PoolConfig
 
@@ -41,6 +41,8 @@ num_gpus = 0.5
     (dict(backend="ray", ray_address="localhost"), "engine.ray_address must be HOST:PORT"),
     (dict(models=(ModelSpec("m", "/x", pools={"denoise": PoolConfig(resources={"node_b": 1})}),)),
      "model m: pools.denoise.resources places a pool on Ray; it needs engine.backend = 'ray'"),
+    (dict(backend="ray", models=(ModelSpec("m", "/x", parallel=ParallelConfig(cfg=2)),)),
+     "model m: parallel runs its ranks on the local backend only for now"),
 ])
 def test_bad_backend_config_names_the_key(kwargs, message):
     with pytest.raises(ValueError) as info:
