@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -140,7 +141,7 @@ class RankGroup:
         self.plan = plan
         self.host = host
         self.observe = observe or (lambda rank, compute, collective: None)
-        self._procs: list[Any] = []
+        self._procs: list[subprocess.Popen] = []
         self._pg: Any = None
         self._dir: tempfile.TemporaryDirectory | None = None
         self._lock = threading.Lock()
@@ -152,13 +153,15 @@ class RankGroup:
     def start(self) -> None:
         """Start ranks 1..N-1 and join the group with them (blocks until every rank has loaded)."""
         self._dir = tempfile.TemporaryDirectory(prefix="mmserve-ranks-")
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no torch threads or locks inherited
         for rank in range(1, self.plan.world):
-            proc = ctx.Process(target=rank_main, name=f"{self.name}-rank{rank}", daemon=True, args=(
-                self.plan.load(rank), self.plan.setup, rank, self.plan.world, self.plan.devices[rank],
-                self.plan.threads, self._dir.name, self.plan.timeout_s))
-            proc.start()
-            self._procs.append(proc)
+            # A fresh interpreter running this module (not multiprocessing's spawn, which imports the caller's
+            # __main__ again: a user's unguarded script would start a second engine in the rank).
+            args = os.path.join(self._dir.name, f"rank{rank}.pickle")
+            with open(args, "wb") as f:
+                pickle.dump((self.plan.load(rank), self.plan.setup, rank, self.plan.world, self.plan.devices[rank],
+                             self.plan.threads, self._dir.name, self.plan.timeout_s), f)
+            self._procs.append(subprocess.Popen([sys.executable, "-m", "stages.diffusion.ranks", args],
+                                                stdin=subprocess.DEVNULL))
         if self.plan.setup is not None:
             self.plan.setup(self.host, 0, self._dir.name)
         self._pg = _process_group(os.path.join(self._dir.name, "store"), 0, self.plan.world, self.plan.devices[0],
@@ -181,10 +184,11 @@ class RankGroup:
             except RuntimeError:
                 pass
         for proc in self._procs:
-            proc.join(5)
-            if proc.is_alive():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(5)
+                proc.wait(5)
         self._procs, self._pg = [], None
         if self._dir is not None:
             self._dir.cleanup()
@@ -266,10 +270,15 @@ class RankGroup:
 
     def _kill(self) -> None:
         for proc in self._procs:
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.kill()
-            proc.join(5)
+            proc.wait(5)
         self._procs, self._pg = [], None
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+
+
+if __name__ == "__main__":  # a rank's process (RankGroup.start): its arguments pickled in the file named
+    with open(sys.argv[1], "rb") as f:
+        rank_main(*pickle.load(f))
