@@ -124,3 +124,18 @@ def test_speed_benchmarks_run_tiny_on_the_cpu(tmp_path):
     assert re.search(r"diffusers throughput +\d+\.\d+ img/s \(2 sequential calls\), \d+\.\d+ img/s \(one call with 2 "
                      r"prompts\)", text), text
     assert re.search(r"throughput 2 concurrent: mmserve .* \(one call with 2 prompts\) +ratio \d+\.\d+x", text), text
+
+
+def test_parallel_benchmark_prints_speed_ups():
+    """examples/bench_parallel.py tiny: both modes' runs, speed-ups and per-rank step/collective means."""
+    args = ["--repeats", "1", "--steps", "2", "--size", "64"]
+    run = subprocess.run([sys.executable, "examples/bench_parallel.py", *args], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for mode in ("cfg", "ulysses"):
+        assert re.search(rf"{mode}: 2 ranks x 1 core .* ms, 1 rank x 2 cores .* ms, speed-up \d+\.\d+x", run.stdout), \
+            run.stdout
+        for rank in (0, 1):
+            assert re.search(rf"{mode} rank {rank}: step +\d+\.\d+ ms, collective +\d+\.\d+ ms .*2 forwards",
+                             run.stdout), run.stdout
+    assert len(re.findall(r"round 1 .*: image +\d+\.\d+ ms", run.stdout)) == 4, run.stdout  # every run is printed
