@@ -38,25 +38,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: pipelines/, stages/
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench_distributed import alternate, loadavg  # noqa: E402  (examples/: the rounds and their printing)
+
 MODEL = "flux"
 SERIES = ("mmserve_parallel_step_seconds", "mmserve_parallel_collective_seconds")
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def alternate(sides: list[str], repeats: int, measure, show) -> dict[str, list]:
-    """--repeats rounds of measure(side, round) on every side, the order alternating between rounds; each run is
-    printed (show(value)) with the load average. The values of each side, in round order."""
-    runs: dict[str, list] = {side: [] for side in sides}
-    width = max(map(len, sides))
-    for round_ in range(1, repeats + 1):
-        for side in sides if round_ % 2 else sides[::-1]:
-            value = measure(side, round_)
-            runs[side].append(value)
-            print(f"round {round_} {side:{width}s}: {show(value)}   (load {loadavg()})", flush=True)
-    return runs
 
 
 def image_s(engine, args, seed: int, guided: bool) -> float:

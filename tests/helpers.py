@@ -5,6 +5,7 @@ No tests here; test modules import from this file (`from tests.helpers import ..
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -55,3 +56,23 @@ def variant(reference, cls):
     pipe = cls(**reference.components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def cancel_mid_loop(handle, pool) -> tuple[float, float]:
+    """Cancel `handle` (a long denoise) once three of its steps have reported; wait until `pool` holds nothing.
+    (seconds from the cancel to an idle pool, one step's seconds): the cancel is honoured within a step when the
+    first is below about two of the second (the step in flight, and no more)."""
+    from stages.events import EventKind
+
+    seen = []
+    for event in handle.events(timeout=120):
+        if event.kind is EventKind.PROGRESS:
+            seen.append(time.monotonic())
+            if len(seen) == 3:
+                break
+    cancelled = time.monotonic()
+    handle.cancel()
+    while not pool.idle:
+        assert time.monotonic() - cancelled < 30, "the pool did not drop the cancelled item"
+        time.sleep(0.002)
+    return time.monotonic() - cancelled, (seen[-1] - seen[0]) / 2

@@ -209,21 +209,10 @@ else:
         np.testing.assert_array_equal(got, want)  # bit for bit on the CPU
 
     def test_cancel_within_a_step(sd_ray):
-        pool = sd_ray.executor.pools["m/denoise"]
+        from tests.helpers import cancel_mid_loop
+
         handle = _image(sd_ray, seed=1, steps=200)
-        seen = []
-        for event in handle.events(timeout=120):
-            if event.kind is EventKind.PROGRESS:
-                seen.append(time.monotonic())
-                if len(seen) == 3:
-                    break
-        step_s = (seen[-1] - seen[0]) / 2
-        cancelled = time.monotonic()
-        handle.cancel()
-        while not pool.idle:  # the actor dropped the item at its next step boundary
-            assert time.monotonic() - cancelled < 30
-            time.sleep(0.002)
-        took = time.monotonic() - cancelled
+        took, step_s = cancel_mid_loop(handle, sd_ray.executor.pools["m/denoise"])  # dropped at the actor's boundary
         with pytest.raises(StageError) as info:
             handle.result(timeout=5)
         assert info.value.kind is ErrorKind.CANCELLED

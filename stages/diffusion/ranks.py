@@ -183,9 +183,13 @@ class RankGroup:
                 _send_object(self._pg, None, range(1, self.plan.world), HEADER_TAG, torch.device(self.plan.devices[0]))
             except RuntimeError:
                 pass
+        self._reap(grace_s=5.0)
+
+    def _reap(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the ranks to exit, kill what still runs, and forget the group."""
         for proc in self._procs:
             try:
-                proc.wait(5)
+                proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
@@ -272,11 +276,7 @@ class RankGroup:
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
-            proc.wait(5)
-        self._procs, self._pg = [], None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
+        self._reap(grace_s=5.0)
 
 
 if __name__ == "__main__":  # a rank's process (RankGroup.start): its arguments pickled in the file named
