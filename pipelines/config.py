@@ -116,6 +116,11 @@ class ModelSpec:
             raise ValueError(f"{where}graphs and fused_kernels do not combine with parallel yet (the ranks run "
                              "the plain denoiser)")
 
+    def ranks(self, kind: str) -> int:
+        """Processes one replica of the stage `kind` runs as (a parallel denoise replica's ranks; else 1): on the
+        ray backend its actor asks for that many times its pool's CPUs and GPUs, all on one node."""
+        return self.parallel.world if kind == "denoise" else 1
+
     @property
     def denoise_devices(self) -> tuple[str, ...]:
         """One device per rank of the denoise replica (CPU ranks when the pool lists none)."""
@@ -280,12 +285,7 @@ class EngineConfig:
             if not host or not port.isdigit():
                 raise ValueError(f"engine.ray_address must be HOST:PORT of the Ray head (127.0.0.1:6379), got "
                                  f"{self.ray_address!r}")
-        if self.backend == "ray":
-            for spec in self.models:
-                if spec.parallel.world > 1:
-                    raise ValueError(f"model {spec.name}: parallel runs its ranks on the local backend only for now "
-                                     "(ranks as Ray actors in one STRICT_PACK placement group are not built yet)")
-        else:
+        if self.backend != "ray":
             for spec in self.models:
                 for kind, pool in spec.pools.items():
                     for key in ("resources", "num_gpus"):

@@ -127,11 +127,13 @@ class Engine:
 
     def _load(self, spec: ModelSpec) -> None:
         family = spec.family or detect_family(spec.path)
+        # On the ray backend each replica is an actor with its own copy on its device; this process's copy, on the
+        # CPU, answers checks and batch keys and runs no forward (so no parallel ranks either).
         context = LoadContext(self.metrics, self.prompt_cache, self.encoder_cache, self.config.limits, self.media,
-                              self.config.media)
+                              self.config.media, runs=self._ray is None)
         load = lambda s: served_class(family)(s, family, context, _random_weights(spec))  # noqa: E731
-        if self._ray is not None:  # each replica an actor with its own copy on its device; this one, on the CPU
-            served: ServedModel = load(dataclasses.replace(spec, device="cpu"))  # answers checks and batch keys
+        if self._ray is not None:
+            served: ServedModel = load(dataclasses.replace(spec, device="cpu"))
             self._ray.add_pools(self.executor, spec, family, served, _random_weights(spec))
         else:
             served = load(spec)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from encoders.cache import EncoderCache
-from pipelines.config import EngineConfig, MediaConfig, ModelSpec
+from pipelines.config import EngineConfig, MediaConfig, ModelSpec, ParallelConfig
 from pipelines.image_request import ImageLimits
 from stages.executor import GraphExecutor
 from stages.metrics import Metrics
@@ -52,17 +52,24 @@ class StageLoader:
     media: MediaConfig
     prompt_cache_mb: int
     encoder_cache_mb: int
+    rank_devices: tuple[str, ...] = ()  # a parallel denoise replica: its ranks' devices as the actor sees them
 
     def __call__(self, metrics: Metrics) -> Stage:
         """The stage, writing its series to `metrics` (the actor carries them to the API process)."""
         from pipelines.registry import served_class
         from pipelines.served import LoadContext
 
+        spec = self.spec
+        if self.rank_devices:  # (built here, where those devices exist)
+            denoise = dataclasses.replace(spec.pools.get("denoise", PoolConfig()), devices=self.rank_devices,
+                                          replicas=len(self.rank_devices), resources=(), num_gpus=0.0)
+            spec = dataclasses.replace(spec, device=self.rank_devices[0], pools={**spec.pools, "denoise": denoise})
+
         context = LoadContext(metrics, EncoderCache("prompt_embedding", self.prompt_cache_mb << 20),
                               EncoderCache("encoder_output", self.encoder_cache_mb << 20), self.limits, _no_media,
                               self.media)
         with one_thread():  # as the engine loads (thread_budget.one_thread)
-            served = served_class(self.family)(self.spec, self.family, context, self.random_weights)
+            served = served_class(self.family)(spec, self.family, context, self.random_weights)
         for kind, stage, _ in served.stages():
             if kind == self.kind:
                 return stage
@@ -78,10 +85,18 @@ class ReplicaLoaders:
     config: PoolConfig
 
     def __call__(self, replica: int) -> StageLoader:
-        device = self.config.devices[replica] if self.config.devices else self.base.spec.device
+        spec = self.base.spec
+        device = self.config.devices[replica] if self.config.devices else spec.device
         if self.config.num_gpus:
             device = "cuda:0"  # the GPU Ray gave the actor is the only one it sees (CUDA_VISIBLE_DEVICES)
-        return dataclasses.replace(self.base, spec=dataclasses.replace(self.base.spec, device=device))
+        if self.base.kind != "denoise" or spec.parallel.world == 1:  # only the denoise actor runs the ranks
+            return dataclasses.replace(self.base, spec=dataclasses.replace(spec, device=device,
+                                                                           parallel=ParallelConfig()))
+        # A parallel replica: its actor holds every rank's GPU (cuda:0.. as it sees them) or runs CPU ranks; the
+        # ranks are its child processes, so they share its node (what a STRICT_PACK placement group would give).
+        ranks = tuple(f"cuda:{r}" for r in range(spec.parallel.world)) if self.config.num_gpus else \
+            spec.denoise_devices
+        return dataclasses.replace(self.base, rank_devices=ranks)
 
 
 class RayCluster:
@@ -127,7 +142,7 @@ class RayCluster:
                 continue
             base = StageLoader(spec, family, kind, random_weights, c.limits, c.media, c.prompt_cache_mb,
                                c.encoder_cache_mb)
-            plan = ActorPlan(ReplicaLoaders(base, config))
+            plan = ActorPlan(ReplicaLoaders(base, config), ranks=spec.ranks(kind))
             pool = executor.add_pool(name, stage, config, pool_class=functools.partial(RayStagePool, plan=plan))
             assert isinstance(pool, RayStagePool)
             pools.append(pool)
@@ -168,10 +183,11 @@ def check_resources(models: tuple[ModelSpec, ...], nodes: list[dict[str, Any]]) 
                 if amount > have[key]:
                     raise ValueError(f"{where}.resources: {key} = {amount:g} is more than any node has "
                                      f"({have[key]:g})")
-            if pool.num_gpus > have.get("GPU", 0.0):
-                raise ValueError(f"{where}.num_gpus: {pool.num_gpus:g} GPUs for one replica, but the most one Ray "
-                                 f"node has is {have.get('GPU', 0.0):g}")
-            threads = pool.threads or 1
+            ranks = spec.ranks(kind)  # a parallel replica's ranks all sit on its actor's node
+            if pool.num_gpus * ranks > have.get("GPU", 0.0):
+                raise ValueError(f"{where}.num_gpus: {pool.num_gpus * ranks:g} GPUs for one replica ({ranks} ranks), "
+                                 f"but the most one Ray node has is {have.get('GPU', 0.0):g}")
+            threads = (pool.threads or 1) * ranks
             if threads > have.get("CPU", 0.0):
                 raise ValueError(f"{where}.threads: each replica asks Ray for {threads} CPUs; the most one node has "
                                  f"is {have.get('CPU', 0.0):g} (ray start --num-cpus)")

@@ -75,6 +75,9 @@ class LoadContext:
     limits: ImageLimits
     media: Callable[[], MediaPool]  # the engine's media worker processes (started on first use)
     media_config: MediaConfig  # their count (the media stages keep as many tasks in flight) and decode limits
+    # False: this copy runs no forward (the ray backend's API process: checks, tokenizers, batch keys), so a parallel
+    # model starts no ranks here
+    runs: bool = True
 
     @property
     def media_pool(self) -> PoolConfig:
@@ -123,10 +126,10 @@ class ServedDiffusion:
         family: ImageFamily | VideoFamily = cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype,
                                                 prompt_cache=ctx.prompt_cache, **options)
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
-        if spec.parallel.world > 1:  # the denoise replica's other ranks: processes with the family loaded
+        family.parallel = spec.parallel
+        if spec.parallel.world > 1 and ctx.runs:  # the denoise replica's other ranks: processes with the family
             from pipelines.parallel import start_ranks
 
-            family.parallel = spec.parallel
             family.ranks = start_ranks(spec, family_name, family, ctx.metrics)
         self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
         self.device = spec.device
@@ -233,8 +236,8 @@ class ServedDiffusion:
                 engine.submit(self.name, VideoRequest(prompt="warm-up", width=width, height=height,
                                                       num_frames=num_frames, num_inference_steps=2, seed=0,
                                                       image=image)).result(timeout=600)
-        else:  # a parallel replica's ranks run one row each at least: too few pixels for a UNet's group norms
-            size = info.size_factor * 2 if self.model.ranks is None else info.default_size
+        else:  # a parallel replica's ranks may run one row each: too few pixels for a small UNet's group norms
+            size = info.size_factor * 2 if self.model.parallel.world == 1 else info.default_size
             for width, height in graphs.sizes or [(size, size)]:
                 engine.submit(self.name, ImageRequest(prompt="warm-up", width=width, height=height,
                                                       num_inference_steps=1, seed=0)).result(timeout=600)

@@ -52,6 +52,7 @@ class ActorPlan:
     # replica index -> what its actor runs to load the stage (it writes its series to the Metrics given)
     load: Callable[[int], Callable[[Metrics], Stage]]
     max_restarts: int = 4  # Ray restarts a dead replica's actor this many times
+    ranks: int = 1  # processes of one replica (a parallel denoise replica's): its actor asks for that many times
     start_timeout_s: float = 900.0  # every actor has loaded its stage within this (else start-up fails)
 
 
@@ -117,7 +118,8 @@ class RayStagePool(StagePool):
                 self._threads.append(t)
 
     def _options(self) -> dict[str, Any]:
-        return dict(num_cpus=self.config.threads or 1, num_gpus=self.config.num_gpus,
+        ranks = self._plan.ranks
+        return dict(num_cpus=(self.config.threads or 1) * ranks, num_gpus=self.config.num_gpus * ranks,
                     resources=dict(self.config.resources))
 
     def _new_actor(self, actor_class, replica: int):

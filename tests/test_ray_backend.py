@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 INSIDE = os.environ.get("MMSERVE_RAY_NETNS") == "1"
-CASES = ["test_cluster_is_on_loopback", "test_image_equals_local_and_progress_streams", "test_cancel_within_a_step",
+CASES = ["test_cluster_is_on_loopback", "test_a_parallel_replica_runs_its_ranks_in_its_actor",
+         "test_image_equals_local_and_progress_streams", "test_cancel_within_a_step",
          "test_two_replicas_share_the_load", "test_a_realtime_video_session_stays_on_one_replica",
          "test_chat_greedy_equals_generate_token_by_token", "test_kill_9_mid_chat_leaves_no_kv_blocks",
          "test_kill_9_fails_only_in_flight_items", "test_a_batch_across_a_killed_replica_finishes_every_line_once",
@@ -184,6 +185,32 @@ else:
         assert len(alive) == 2
         assert all(n["NodeManagerAddress"] == "127.0.0.1" for n in alive), [n["NodeManagerAddress"] for n in alive]
         assert sum("node_b" in n["Resources"] for n in alive) == 1
+
+    def test_a_parallel_replica_runs_its_ranks_in_its_actor(cluster, sd_path):
+        """[models.parallel] cfg = 2 on the ray backend: the denoise replica's actor (on node_b, asking Ray for both
+        ranks' CPUs) runs rank 1 as its child process; the image equals the local one-device image within float
+        rounding (tests/test_parallel.py), and the ranks' series reach this process's /metrics."""
+        from pipelines.config import ParallelConfig
+        from tests.helpers import running_engine
+
+        pools = {"denoise": PoolConfig(threads=1, resources={"node_b": 1})}
+        spec = ModelSpec("m", sd_path, pools=pools, parallel=ParallelConfig(cfg=2))
+        engine = Engine(EngineConfig(models=(spec,), backend="ray", ray_address=ADDRESS))
+        engine.start()
+        try:
+            pool = engine.executor.pools["m/denoise"]
+            assert [i.node_id for i in pool.nodes] == [_node_with(cluster, "node_b")]
+            got = _image(engine, seed=7, steps=4).result(timeout=120)["pixels"]
+            sample = engine.metrics.registry.get_sample_value
+            deadline = time.monotonic() + 10
+            while (sample("mmserve_parallel_step_seconds_count", {"model": "m", "rank": "1"}) or 0) < 5:
+                assert time.monotonic() < deadline, "rank 1's steps (the warm-up's and these 4) did not arrive"
+                time.sleep(0.05)
+        finally:
+            engine.shutdown()
+        with running_engine(sd_path, pools={"denoise": PoolConfig(threads=1)}) as local:
+            want = _image(local, seed=7, steps=4).result(timeout=120)["pixels"]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
     def test_image_equals_local_and_progress_streams(cluster, sd_ray, sd_path):
         pools = sd_ray.executor.pools

@@ -41,8 +41,6 @@ num_gpus = 0.5
     (dict(backend="ray", ray_address="localhost"), "engine.ray_address must be HOST:PORT"),
     (dict(models=(ModelSpec("m", "/x", pools={"denoise": PoolConfig(resources={"node_b": 1})}),)),
      "model m: pools.denoise.resources places a pool on Ray; it needs engine.backend = 'ray'"),
-    (dict(backend="ray", models=(ModelSpec("m", "/x", parallel=ParallelConfig(cfg=2)),)),
-     "model m: parallel runs its ranks on the local backend only for now"),
 ])
 def test_bad_backend_config_names_the_key(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -103,3 +101,16 @@ def test_the_local_backend_never_imports_ray():
     code = ("import sys, serve.cli, serve.app, pipelines.engine, pipelines.served; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent, timeout=120)
+
+
+def test_a_parallel_replica_asks_for_every_rank_on_one_node():
+    """Its ranks are its actor's child processes: one node must hold all their GPUs and CPUs."""
+    from pipelines.ray_backend import check_resources
+
+    spec = ModelSpec("m", "/x", parallel=ParallelConfig(cfg=2, ulysses=2),
+                     pools={"denoise": PoolConfig(num_gpus=1, threads=1)})
+    nodes = [{"Resources": {"CPU": 8.0, "GPU": 2.0}}, {"Resources": {"CPU": 8.0, "GPU": 2.0}}]
+    with pytest.raises(ValueError, match=r"pools.denoise.num_gpus: 4 GPUs for one replica \(4 ranks\), but the most "
+                                         r"one Ray node has is 2"):
+        check_resources((spec,), nodes)
+    check_resources((spec,), [{"Resources": {"CPU": 8.0, "GPU": 4.0}}])  # fits on one node
