@@ -29,8 +29,8 @@ class ParallelConfig:
     exchange a step. ulysses = N: each half's sequence sharded over N ranks by diffusers' context-parallel hooks
     (Ulysses all-to-all; transformers with a plan: flux, wan, ltx). world = cfg x ulysses x ring ranks. The ranks'
     devices are the denoise pool's `devices` (one per rank); without them, a CPU model starts that many CPU ranks,
-    the cores shared between them. Ring attention and the parallel VAE decode are not built yet: asking for them is
-    an error naming the key."""
+    the cores shared between them. vae = true: a video's tiled VAE decode spreads its tiles over the same ranks
+    (Wan's VAE). Ring attention is not built yet: asking for it is an error naming the key."""
 
     cfg: int = 1
     ulysses: int = 1
@@ -47,8 +47,9 @@ class ParallelConfig:
         if self.ring > 1:
             raise ValueError("parallel.ring: ring attention is not built yet (diffusers' needs an attention backend "
                              "that returns the log-sum-exp, which the CPU's does not); ulysses and cfg are")
-        if self.vae:
-            raise ValueError("parallel.vae: the parallel VAE decode is not built yet; parallel.cfg = 2 is")
+        if self.vae and self.world == 1:
+            raise ValueError("parallel.vae: the VAE's tiles are spread over the denoise replica's ranks; give it some "
+                             "(parallel.cfg = 2 or parallel.ulysses > 1)")
 
     @property
     def world(self) -> int:

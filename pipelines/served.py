@@ -127,6 +127,12 @@ class ServedDiffusion:
                                                 prompt_cache=ctx.prompt_cache, **options)
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         family.parallel = spec.parallel
+        if spec.parallel.vae:  # the tiled decode's tiles over the ranks: tiling on (video.vae_tile's size)
+            from pipelines.parallel_vae import check_parallel_vae
+
+            check_parallel_vae(family)
+            assert isinstance(family, VideoFamily)  # (a Wan VAE is a video family's)
+            family.enable_vae_tiling()
         if spec.parallel.world > 1 and ctx.runs:  # the denoise replica's other ranks: processes with the family
             from pipelines.parallel import start_ranks
 

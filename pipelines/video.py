@@ -44,6 +44,8 @@ class VideoConfig:
     """Per-model video settings (ModelSpec.video)."""
 
     vae_tiling: bool = False  # decode in overlapping spatial tiles (vae.enable_tiling): bounds peak memory
+    # (tile, stride) in pixels of those tiles (both sides); None: the VAE's own (Wan: 256, 192)
+    vae_tile: tuple[int, int] | None = None
     vae_slicing: bool = False  # decode one video of a batch at a time (vae.enable_slicing)
     limits: VideoLimits = VideoLimits()
     # What a request that names none gets; None: the family's (its diffusers pipeline's __call__ defaults).
@@ -51,6 +53,12 @@ class VideoConfig:
     default_frames: int | None = None
 
     def __post_init__(self):
+        if self.vae_tile is not None:
+            object.__setattr__(self, "vae_tile", tuple(self.vae_tile))
+            if len(self.vae_tile) != 2 or not 8 <= self.vae_tile[1] <= self.vae_tile[0] or any(
+                    v % 8 for v in self.vae_tile):
+                raise ValueError(f"video.vae_tile must be [tile, stride] in pixels, multiples of 8 with "
+                                 f"8 <= stride <= tile, got {self.vae_tile!r}")
         if self.default_size is not None and (len(self.default_size) != 2 or min(self.default_size) < 1):
             raise ValueError(f"video.default_size must be (width, height) in pixels, got {self.default_size!r}")
         if self.default_frames is not None and self.default_frames < 1:

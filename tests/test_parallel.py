@@ -207,6 +207,36 @@ def test_wan_parallel_equals_one_device(tmp_path, parallel):
     assert_close(np.asarray(got, dtype=np.float32), np.asarray(want, dtype=np.float32))
 
 
+def test_parallel_vae_decode_equals_the_one_rank_tiled_decode(tmp_path):
+    """[models.parallel] vae = true: a video's VAE tiles (16 px tiles, 8 px stride: 16 tiles at 32 px) decoded
+    across the two ranks and blended on rank 0 give vae.tiled_decode's video; the whole video equals a one-device
+    engine's with the same tiling."""
+    from pipelines.demo import build_demo_model
+    from pipelines.parallel_vae import parallel_tiled_decode
+    from pipelines.video import VideoConfig
+
+    path = str(build_demo_model("wan", tmp_path / "wan"))
+    video = VideoConfig(vae_tiling=True, vae_tile=(16, 8))
+    request = VideoRequest(prompt="a fox", width=32, height=32, num_frames=5, num_inference_steps=2, seed=2)
+    with running_engine(path, pools=THREADS, video=video) as eng:
+        want = eng.submit_video("m", request).result(timeout=120)["frames"]
+    with running_engine(path, pools=THREADS, video=video, parallel=ParallelConfig(cfg=2, vae=True)) as eng:
+        family = _ranks_host(eng)
+        before = _sample(eng, "mmserve_parallel_step_seconds_count", 1)
+        got = eng.submit_video("m", request).result(timeout=120)["frames"]
+        assert _sample(eng, "mmserve_parallel_step_seconds_count", 1) - before >= 2 + 8  # 2 steps, 8 of 16 tiles
+        z = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            reference = family.pipe.vae.tiled_decode(z, return_dict=False)[0]
+        assert_close(parallel_tiled_decode(family, z).numpy(), reference.numpy())
+    assert_close(np.asarray(got, dtype=np.float32), np.asarray(want, dtype=np.float32))
+
+
+def test_parallel_vae_needs_a_wan_vae(sd_path):
+    with pytest.raises(ValueError, match="parallel.vae: the parallel decode covers Wan 2.1's VAE"):
+        Engine(EngineConfig(models=(ModelSpec("m", sd_path, parallel=ParallelConfig(cfg=2, vae=True)),))).start()
+
+
 def test_a_unet_has_no_sequence_to_shard(sd_path):
     engine = Engine(EngineConfig(models=(ModelSpec("m", sd_path, parallel=ParallelConfig(ulysses=2)),)))
     with pytest.raises(ValueError, match="parallel.ulysses: the UNet2DConditionModel of family sd has no "
@@ -218,7 +248,7 @@ def test_a_unet_has_no_sequence_to_shard(sd_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(parallel=dict(cfg=3)), "parallel.cfg must be 1 or 2"),
     (dict(parallel=dict(ring=2)), "parallel.ring: ring attention is not built yet"),
-    (dict(parallel=dict(vae=True)), "parallel.vae: the parallel VAE decode is not built yet"),
+    (dict(parallel=dict(vae=True)), "parallel.vae: the VAE's tiles are spread over the denoise replica's ranks"),
     (dict(parallel=dict(cfg=2), pools={"denoise": PoolConfig(replicas=2)}), "pools.denoise.replicas must be 1"),
     (dict(parallel=dict(cfg=2), pools={"denoise": PoolConfig(devices=("cpu", "cpu", "cpu"))}),
      "pools.denoise.devices must list one device per rank (2"),

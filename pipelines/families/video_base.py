@@ -37,9 +37,18 @@ class VideoFamily(DiffusionFamily[VideoTask, VideoRequest]):
         self.video = video or VideoConfig()
         super().__init__(name, path, device=device, dtype=dtype, prompt_cache=prompt_cache)
         if self.video.vae_tiling:
-            self.pipe.vae.enable_tiling()
+            self.enable_vae_tiling()
         if self.video.vae_slicing:
             self.pipe.vae.enable_slicing()
+
+    def enable_vae_tiling(self) -> None:
+        """Decode in overlapping tiles, of the configured size (video.vae_tile) or the VAE's own."""
+        if self.video.vae_tile is None:
+            self.pipe.vae.enable_tiling()
+            return
+        tile, stride = self.video.vae_tile
+        self.pipe.vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                                    tile_sample_stride_height=stride, tile_sample_stride_width=stride)
 
     def _class_pipelines(self) -> dict[VideoTask, type[Any]]:
         """The tasks and pipelines of the checkpoint's own class, the one it loads as first."""

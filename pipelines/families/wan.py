@@ -20,6 +20,7 @@ from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from pipelines.families.video_base import VideoFamily
+from pipelines.parallel_vae import decode_tile, parallel_tiled_decode, tiles_apply
 from pipelines.video import VideoRequest, VideoTask
 from stages.diffusion.block_stack import CacheSpec
 from stages.diffusion.step_cache import TEACACHE_COEFFICIENTS
@@ -186,7 +187,16 @@ class WanFamily(VideoFamily):
                                                                                             latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
                                                                                                      latents.dtype)
-        return vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        z = latents / inv_std + mean
+        if self.parallel.vae and self.ranks is not None and tiles_apply(vae, z):  # the tiles over the ranks
+            if vae.use_slicing:  # one video at a time, as vae.decode slices a batch
+                return torch.cat([parallel_tiled_decode(self, one) for one in z.split(1)])
+            return parallel_tiled_decode(self, z)
+        return vae.decode(z, return_dict=False)[0]
+
+    def decode_vae_tile(self, key: str, z: torch.Tensor) -> torch.Tensor:
+        """A rank's part of the parallel VAE decode: one tile (pipelines/parallel_vae.py)."""
+        return decode_tile(self.pipe.vae, z)
 
 
 def _timestep_projection(args: dict) -> torch.Tensor:

@@ -116,11 +116,12 @@ def rank_main(load: Callable[[], Any], setup: Callable[[Any, int, str], None] | 
         began = time.perf_counter()
         try:
             with torch.inference_mode():
-                out = ready(host.call_denoiser(header["key"], **inputs)).contiguous()
+                out = ready(getattr(host, header["method"])(header["key"], **inputs)).contiguous()
             error = None
         except Exception as exc:  # the same inputs fail on every rank alike (a shape a shard cannot split)
             out, error = None, f"{type(exc).__name__}: {exc}"
-        status = {"error": error, "compute": time.perf_counter() - began}
+        status = {"error": error, "compute": time.perf_counter() - began,
+                  "shape": None if out is None else tuple(out.shape), "dtype": None if out is None else out.dtype}
         sent = time.perf_counter()
         _send_object(pg, status, range(0, 1), STATUS_TAG, dev)
         if out is not None and header["reply"]:
@@ -199,11 +200,12 @@ class RankGroup:
             self._dir = None
 
     def forward(self, key: str, parts: list[dict[str, Any] | None], plain: dict[str, Any],
-                local: Callable[[dict[str, Any]], torch.Tensor], replies: set[int] | None = None
-                ) -> list[torch.Tensor | None]:
+                local: Callable[[dict[str, Any]], torch.Tensor], replies: set[int] | None = None,
+                method: str = "call_denoiser") -> list[torch.Tensor | None]:
         """Run `parts[r]` (tensor inputs of one denoiser call) on rank r, each with the `plain` inputs too; rank
         0's part through `local`; a rank whose part is None sits this one out. Each rank's output in rank order:
-        rank 0's, and those of `replies` (None: every rank; the others None). A rank that died or timed out:
+        rank 0's, and those of `replies` (None: every rank; the others None). The other ranks call their host's
+        `method(key, **inputs)` (the denoiser forward; or a VAE tile's decode). A rank that died or timed out:
         StageError (unavailable, rank_lost), and the group starts again at the next call; a forward that raised on
         the ranks: StageError naming it."""
         with self._lock:
@@ -212,7 +214,7 @@ class RankGroup:
             replies = set(range(1, self.plan.world)) if replies is None else replies
             dev = torch.device(self.plan.devices[0])
             sent = time.perf_counter()
-            self._collective(lambda: self._send_parts(key, parts, plain, replies, dev))
+            self._collective(lambda: self._send_parts(method, key, parts, plain, replies, dev))
             collective = time.perf_counter() - sent
             began = time.perf_counter()
             try:
@@ -222,7 +224,7 @@ class RankGroup:
             compute = time.perf_counter() - began
             received = time.perf_counter()
             busy = [r for r in range(1, self.plan.world) if parts[r] is not None]
-            theirs, times, errors = self._collective(lambda: self._receive(mine, busy, replies, dev))
+            theirs, times, errors = self._collective(lambda: self._receive(busy, replies, dev))
             if failed is not None or errors:
                 raise StageError("parallel_forward_failed", f"the parallel denoiser of {self.name} failed: "
                                  f"{failed or errors[0]}", kind=ErrorKind.INTERNAL) from failed
@@ -240,29 +242,27 @@ class RankGroup:
             raise StageError("rank_lost", f"a rank of {self.name}'s parallel denoiser was lost while it ran this "
                              "request; the ranks are restarting: retry", kind=ErrorKind.UNAVAILABLE) from exc
 
-    def _send_parts(self, key: str, parts: list[dict[str, Any] | None], plain: dict[str, Any], replies: set[int],
-                    dev: torch.device) -> None:
+    def _send_parts(self, method: str, key: str, parts: list[dict[str, Any] | None], plain: dict[str, Any],
+                    replies: set[int], dev: torch.device) -> None:
         for r in range(1, self.plan.world):
             part = parts[r]
             if part is None:
                 continue
             tensors = {name: t.to(dev).contiguous() for name, t in part.items()}
-            header = {"key": key, "plain": plain, "reply": r in replies,
+            header = {"method": method, "key": key, "plain": plain, "reply": r in replies,
                       "tensors": [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]}
             _send_object(self._pg, header, range(r, r + 1), HEADER_TAG, dev)
             for t in tensors.values():
                 self._pg.send([t], r, HEADER_TAG).wait()
 
-    def _receive(self, mine: torch.Tensor | None, busy: list[int], replies: set[int], dev: torch.device
+    def _receive(self, busy: list[int], replies: set[int], dev: torch.device
                  ) -> tuple[dict[int, torch.Tensor], list[list[float]], list[str]]:
         outputs: dict[int, torch.Tensor] = {}
         times, errors = [], []
         for r in busy:
             status = _recv_object(self._pg, r, STATUS_TAG, dev)
             if status["error"] is None and r in replies:
-                if mine is None:  # rank 0 failed where rank r did not: the group is out of step
-                    raise RuntimeError(f"rank {r} ran a forward that failed on rank 0")
-                out = torch.empty(mine.shape, dtype=mine.dtype, device=dev)  # every part has rank 0's shape
+                out = torch.empty(status["shape"], dtype=status["dtype"], device=dev)
                 self._pg.recv([out], r, OUTPUT_TAG).wait()
                 outputs[r] = out
             elif status["error"] is not None:
