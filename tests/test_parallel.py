@@ -142,9 +142,9 @@ def flux_path(tmp_path_factory):
     return str(build_demo_model("flux", tmp_path_factory.mktemp("flux-demo") / "flux"))
 
 
-def _flux(engine, seed: int, *, cfg: bool = False, size: int = 64):
+def _flux(engine, seed: int, *, cfg: bool = False, size: int = 64, steps: int = 4):
     extra, negative = ({"true_cfg_scale": 2.0}, "blurry") if cfg else ({}, None)
-    request = ImageRequest(prompt="a red cube", width=size, height=size, num_inference_steps=4, seed=seed,
+    request = ImageRequest(prompt="a red cube", width=size, height=size, num_inference_steps=steps, seed=seed,
                            negative_prompt=negative, extra=extra)
     return engine.submit_image("m", request)
 
@@ -171,6 +171,25 @@ def test_flux_sequence_parallel_equals_one_device(flux_path, parallel):
     assert min(steps[:2]) >= 8  # the first pair ran both images' steps (and the warm-up's)
     if parallel.cfg == 2:
         assert min(steps[2:]) == 4  # the second pair ran the guided image's unconditional half only
+
+
+def test_flux_ulysses_batches_requests_at_different_steps(flux_path):
+    """Three requests on a Ulysses replica, two joining the first's loop two steps in: they share forwards (the
+    sequence sharded across both ranks for every row) and each equals its solo one-device image."""
+    seeds = (21, 22, 23)
+    with running_engine(flux_path, pools=THREADS) as plain:
+        want = {s: _flux(plain, s, steps=10).result(timeout=120)["pixels"] for s in seeds}
+    with running_engine(flux_path, pools=THREADS, parallel=ParallelConfig(ulysses=2)) as eng:
+        first = _flux(eng, seeds[0], steps=10)
+        for event in first.events(timeout=120):
+            if event.kind is EventKind.PROGRESS and event.data["step"] == 2:
+                break
+        rest = {s: _flux(eng, s, steps=10) for s in seeds[1:]}
+        got = {seeds[0]: first.result(timeout=120)["pixels"],
+               **{s: h.result(timeout=120)["pixels"] for s, h in rest.items()}}
+        assert eng.metrics.stage.max_batch_size("m/denoise", "m") >= 2
+    for s in seeds:
+        assert_close(got[s], want[s])
 
 
 def test_a_killed_sequence_parallel_rank_restarts_the_world(flux_path):
