@@ -26,11 +26,12 @@ class ParallelConfig:
     """One request's denoiser forward across several ranks of one replica ([models.parallel]; DESIGN §3).
 
     cfg = 2: classifier-free guidance's two halves on two groups of ranks (the conditional on rank 0's), one
-    exchange a step. ulysses = N: each half's sequence sharded over N ranks by diffusers' context-parallel hooks
-    (Ulysses all-to-all; transformers with a plan: flux, wan, ltx). world = cfg x ulysses x ring ranks. The ranks'
+    exchange a step. ulysses = N / ring = M: each half's sequence sharded over N x M ranks by diffusers'
+    context-parallel hooks (Ulysses all-to-all of heads, ring passes of keys and values; transformers with a plan:
+    flux, wan, ltx). world = cfg x ulysses x ring ranks. The ranks'
     devices are the denoise pool's `devices` (one per rank); without them, a CPU model starts that many CPU ranks,
     the cores shared between them. vae = true: a video's tiled VAE decode spreads its tiles over the same ranks
-    (Wan's VAE). Ring attention is not built yet: asking for it is an error naming the key."""
+    (Wan's VAE)."""
 
     cfg: int = 1
     ulysses: int = 1
@@ -44,9 +45,6 @@ class ParallelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{key} must be an integer >= 1, got {value!r}")
-        if self.ring > 1:
-            raise ValueError("parallel.ring: ring attention is not built yet (diffusers' needs an attention backend "
-                             "that returns the log-sum-exp, which the CPU's does not); ulysses and cfg are")
         if self.vae and self.world == 1:
             raise ValueError("parallel.vae: the VAE's tiles are spread over the denoise replica's ranks; give it some "
                              "(parallel.cfg = 2 or parallel.ulysses > 1)")

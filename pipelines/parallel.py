@@ -74,6 +74,8 @@ class SequenceParallel:
         from torch.distributed.device_mesh import init_device_mesh
 
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        if self.parallel.ring > 1:
+            native_attention_with_lse()
         if dist.is_initialized():  # a restart: the old world's peers are gone
             dist.destroy_process_group()
         p, world = self.parallel, self.parallel.world
@@ -102,6 +104,36 @@ class SequenceParallel:
                 ulysses_degree=p.ulysses, ring_degree=p.ring)))
 
 
+def native_attention_with_lse() -> None:
+    """Let diffusers' native attention op return the log-sum-exp when asked. Ring attention runs the op on each
+    key/value chunk and merges the chunks' outputs by their LSE; diffusers' native op (the one a CPU has) raises
+    instead, so its call with return_lse runs the plain math here: [B, S, H, D] in and out, the LSE [B, S, H].
+    Without return_lse diffusers' own op runs, unchanged. Idempotent."""
+    from diffusers.models import attention_dispatch as dispatch
+
+    original = dispatch._native_attention_forward_op
+    if getattr(original, "mmserve_lse", False):
+        return
+
+    def op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+           return_lse=False, _save_ctx=True, _parallel_config=None):
+        if not return_lse:
+            return original(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                            _save_ctx=_save_ctx, _parallel_config=_parallel_config)
+        if attn_mask is not None or is_causal or dropout_p:
+            raise ValueError("ring attention on the native op supports no mask, causality or dropout")
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))  # [B, H, S, D]
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.exp(scores - lse.unsqueeze(-1)) @ v
+        return out.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
+
+    op.mmserve_lse = True  # type: ignore[attr-defined]
+    dispatch._native_attention_forward_op = op
+
+
 def check_sequence_parallel(family: Any, parallel: ParallelConfig) -> None:
     """At load: the family's denoisers have a context-parallel plan and heads the Ulysses degree divides; else a
     ValueError naming parallel.ulysses."""
@@ -110,7 +142,8 @@ def check_sequence_parallel(family: Any, parallel: ParallelConfig) -> None:
         if module is None:
             continue
         if not getattr(module, "_cp_plan", None):
-            raise ValueError(f"parallel.ulysses: the {type(module).__name__} of family {family.family} has no "
+            key = "ulysses" if parallel.ulysses > 1 else "ring"
+            raise ValueError(f"parallel.{key}: the {type(module).__name__} of family {family.family} has no "
                              "context-parallel plan (sequence parallelism covers flux, wan and ltx)")
         heads = getattr(module.config, "num_attention_heads", None)
         if heads is not None and heads % parallel.ulysses:

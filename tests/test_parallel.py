@@ -149,11 +149,12 @@ def _flux(engine, seed: int, *, cfg: bool = False, size: int = 64, steps: int = 
     return engine.submit_image("m", request)
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(ulysses=2), ParallelConfig(cfg=2, ulysses=2)],
-                         ids=["ulysses2", "cfg2-ulysses2"])
+@pytest.mark.parametrize("parallel", [ParallelConfig(ulysses=2), ParallelConfig(ring=2),
+                                      ParallelConfig(cfg=2, ulysses=2)], ids=["ulysses2", "ring2", "cfg2-ulysses2"])
 def test_flux_sequence_parallel_equals_one_device(flux_path, parallel):
-    """Ulysses through diffusers' context-parallel hooks: each half's image and text tokens sharded over two ranks,
-    all-to-all in attention; with cfg = 2 the two halves run on two such pairs (four ranks)."""
+    """Sequence parallel through diffusers' context-parallel hooks: each half's image and text tokens sharded over
+    two ranks, all-to-all of heads in attention (Ulysses) or the keys and values passed round (ring, merged by
+    their log-sum-exp); with cfg = 2 the two halves run on two such pairs (four ranks)."""
     with running_engine(flux_path, pools=THREADS) as plain:
         want = [_flux(plain, 3).result(timeout=120)["pixels"], _flux(plain, 4, cfg=True).result(timeout=120)["pixels"]]
     with running_engine(flux_path, pools=THREADS, parallel=parallel) as eng:
@@ -190,6 +191,26 @@ def test_flux_ulysses_batches_requests_at_different_steps(flux_path):
         assert eng.metrics.stage.max_batch_size("m/denoise", "m") >= 2
     for s in seeds:
         assert_close(got[s], want[s])
+
+
+def test_the_native_attention_op_returns_its_log_sum_exp():
+    """What ring attention merges chunks by: the op's output equals SDPA's and its LSE the scores' logsumexp, and a
+    call without return_lse is diffusers' own op."""
+    from diffusers.models import attention_dispatch as dispatch
+
+    from pipelines.parallel import native_attention_with_lse
+
+    native_attention_with_lse()
+    native_attention_with_lse()  # idempotent
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (3 * torch.randn(2, 5, 4, 8, generator=g) for _ in range(3))  # [B, S, H, D], peaky scores
+    op = dispatch._native_attention_forward_op
+    out, lse = op(None, q, k, v, return_lse=True, _save_ctx=False)
+    qh, kh, vh = (x.permute(0, 2, 1, 3) for x in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).permute(0, 2, 1, 3)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, torch.logsumexp(qh @ kh.transpose(-1, -2) / 8 ** 0.5, -1).permute(0, 2, 1))
+    torch.testing.assert_close(op(None, q, k, v, _save_ctx=False), want)
 
 
 def test_a_killed_sequence_parallel_rank_restarts_the_world(flux_path):
@@ -266,7 +287,7 @@ def test_a_unet_has_no_sequence_to_shard(sd_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(parallel=dict(cfg=3)), "parallel.cfg must be 1 or 2"),
-    (dict(parallel=dict(ring=2)), "parallel.ring: ring attention is not built yet"),
+    (dict(parallel=dict(ring=0)), "parallel.ring must be an integer >= 1"),
     (dict(parallel=dict(vae=True)), "parallel.vae: the VAE's tiles are spread over the denoise replica's ranks"),
     (dict(parallel=dict(cfg=2), pools={"denoise": PoolConfig(replicas=2)}), "pools.denoise.replicas must be 1"),
     (dict(parallel=dict(cfg=2), pools={"denoise": PoolConfig(devices=("cpu", "cpu", "cpu"))}),
