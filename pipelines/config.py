@@ -27,11 +27,10 @@ class ParallelConfig:
 
     cfg = 2: classifier-free guidance's two halves on two groups of ranks (the conditional on rank 0's), one
     exchange a step. ulysses = N / ring = M: each half's sequence sharded over N x M ranks by diffusers'
-    context-parallel hooks (Ulysses all-to-all of heads, ring passes of keys and values; transformers with a plan:
-    flux, wan, ltx). world = cfg x ulysses x ring ranks. The ranks'
-    devices are the denoise pool's `devices` (one per rank); without them, a CPU model starts that many CPU ranks,
-    the cores shared between them. vae = true: a video's tiled VAE decode spreads its tiles over the same ranks
-    (Wan's VAE)."""
+    context-parallel hooks (Ulysses all-to-all of heads, ring passes of keys and values; flux and wan).
+    world = cfg x ulysses x ring ranks. The ranks' devices are the denoise pool's `devices` (one per rank); without
+    them, a CPU model starts that many CPU ranks, the cores shared between them. vae = true: a video's tiled VAE
+    decode spreads its tiles over the same ranks (Wan's VAE)."""
 
     cfg: int = 1
     ulysses: int = 1

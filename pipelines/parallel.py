@@ -104,6 +104,11 @@ class SequenceParallel:
                 ulysses_degree=p.ulysses, ring_degree=p.ring)))
 
 
+# Families whose transformer's context-parallel plan runs here and equals one device (tests/test_parallel.py). LTX's
+# plan exists but its encoder attention mask keeps the unsharded shape: the forward fails.
+SEQUENCE_PARALLEL_FAMILIES = ("flux", "wan")
+
+
 def native_attention_with_lse() -> None:
     """Let diffusers' native attention op return the log-sum-exp when asked. Ring attention runs the op on each
     key/value chunk and merges the chunks' outputs by their LSE; diffusers' native op (the one a CPU has) raises
@@ -137,14 +142,17 @@ def native_attention_with_lse() -> None:
 def check_sequence_parallel(family: Any, parallel: ParallelConfig) -> None:
     """At load: the family's denoisers have a context-parallel plan and heads the Ulysses degree divides; else a
     ValueError naming parallel.ulysses."""
+    degree = "ulysses" if parallel.ulysses > 1 else "ring"
     for key in family.denoiser_keys:
         module = getattr(family.pipe, key, None)
         if module is None:
             continue
         if not getattr(module, "_cp_plan", None):
-            key = "ulysses" if parallel.ulysses > 1 else "ring"
-            raise ValueError(f"parallel.{key}: the {type(module).__name__} of family {family.family} has no "
-                             "context-parallel plan (sequence parallelism covers flux, wan and ltx)")
+            raise ValueError(f"parallel.{degree}: the {type(module).__name__} of family {family.family} has no "
+                             "context-parallel plan (sequence parallelism covers flux and wan)")
+        if family.family not in SEQUENCE_PARALLEL_FAMILIES:  # a plan, but not one that runs here as it is
+            raise ValueError(f"parallel.{degree}: sequence parallelism covers {list(SEQUENCE_PARALLEL_FAMILIES)}; "
+                             f"family {family.family}'s plan does not run as it is (ltx: its attention mask)")
         heads = getattr(module.config, "num_attention_heads", None)
         if heads is not None and heads % parallel.ulysses:
             raise ValueError(f"parallel.ulysses = {parallel.ulysses} must divide the {heads} attention heads of "

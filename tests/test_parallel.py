@@ -277,6 +277,16 @@ def test_parallel_vae_needs_a_wan_vae(sd_path):
         Engine(EngineConfig(models=(ModelSpec("m", sd_path, parallel=ParallelConfig(cfg=2, vae=True)),))).start()
 
 
+def test_ltx_sequence_parallel_is_refused_at_load(tmp_path):
+    from pipelines.demo import build_demo_model
+
+    path = str(build_demo_model("ltx", tmp_path / "ltx"))
+    engine = Engine(EngineConfig(models=(ModelSpec("m", path, parallel=ParallelConfig(ulysses=2)),)))
+    with pytest.raises(ValueError, match="parallel.ulysses: sequence parallelism covers \\['flux', 'wan'\\]"):
+        engine.start()
+    engine.shutdown()
+
+
 def test_a_unet_has_no_sequence_to_shard(sd_path):
     engine = Engine(EngineConfig(models=(ModelSpec("m", sd_path, parallel=ParallelConfig(ulysses=2)),)))
     with pytest.raises(ValueError, match="parallel.ulysses: the UNet2DConditionModel of family sd has no "
