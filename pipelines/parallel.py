@@ -32,15 +32,12 @@ class FamilyLoader:
 
     def __call__(self) -> Any:
         from encoders.cache import EncoderCache
-        from pipelines.families.video_base import VideoFamily
-        from pipelines.registry import family_class
+        from pipelines.served import load_family
         from stages.thread_budget import one_thread
 
-        cls = family_class(self.family)
-        options = {"video": self.spec.video} if issubclass(cls, VideoFamily) else {}
         with one_thread():
-            return cls(self.spec.name, self.spec.path, device=self.device, dtype=self.spec.dtype,
-                       prompt_cache=EncoderCache("prompt_embedding", 0), **options)
+            return load_family(dataclasses.replace(self.spec, device=self.device), self.family,
+                               EncoderCache("prompt_embedding", 0))
 
 
 @dataclass(frozen=True)

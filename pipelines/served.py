@@ -114,6 +114,13 @@ def chain(model: str, *kinds: str) -> StageGraph:
     return StageGraph.chain(*((kind, f"{model}/{kind}") for kind in kinds))
 
 
+def load_family(spec: ModelSpec, family_name: str, prompt_cache: EncoderCache) -> ImageFamily | VideoFamily:
+    """The diffusion family of `spec` loaded on spec.device (a served model's, or a parallel replica's rank's)."""
+    cls = family_class(family_name)
+    options = {"video": spec.video} if issubclass(cls, VideoFamily) else {}
+    return cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype, prompt_cache=prompt_cache, **options)
+
+
 class ServedDiffusion:
     """An image or video diffusion family: text_encode -> denoise (the loop) -> vae_decode, then media_encode
     when the request asks for encoded files (the server's do; the Python API's keep pixels)."""
@@ -121,10 +128,7 @@ class ServedDiffusion:
     does, kinds = "generate images or videos", "diffusion models"
 
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
-        cls = family_class(family_name)
-        options = {"video": spec.video} if issubclass(cls, VideoFamily) else {}
-        family: ImageFamily | VideoFamily = cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype,
-                                                prompt_cache=ctx.prompt_cache, **options)
+        family = load_family(spec, family_name, ctx.prompt_cache)
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         family.parallel = spec.parallel
         if spec.parallel.vae:  # the tiled decode's tiles over the ranks: tiling on (video.vae_tile's size)
