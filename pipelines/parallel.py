@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pipelines.config import ModelSpec, ParallelConfig
+from pipelines.parallel_attention import after_parallel, before_parallel, image_tokens, sequence_parallel_plan
 from stages.diffusion.ranks import RankGroup, RankPlan
 from stages.metrics import Metrics
 from stages.pool import PoolConfig
@@ -54,7 +55,7 @@ class FamilyLoaders:
 class SequenceParallel:
     """What every rank runs once its family is loaded (RankPlan.setup) when the replica shards the sequence: join
     torch.distributed's world (gloo on the CPU, NCCL on GPUs; a file store), build the (cfg, ring, ulysses) mesh and
-    put diffusers' context-parallel hooks (the transformer's `_cp_plan`, Ulysses all-to-all) on each denoiser. On
+    put diffusers' context-parallel hooks (parallel_attention.sequence_parallel_plan's plan) on each denoiser. On
     a restart the world is joined again and the hooks get the new mesh."""
 
     parallel: ParallelConfig
@@ -97,13 +98,15 @@ class SequenceParallel:
                 return config
 
             module._resolve_parallel_config = resolve
+            before_parallel(host.family, module)
             module.enable_parallelism(config=DiffusersParallel(context_parallel_config=ContextParallelConfig(
-                ulysses_degree=p.ulysses, ring_degree=p.ring)))
+                ulysses_degree=p.ulysses, ring_degree=p.ring)), cp_plan=sequence_parallel_plan(host.family, module))
+            after_parallel(host.family, module)
 
 
-# Families whose transformer's context-parallel plan runs here and equals one device (tests/test_parallel.py). LTX's
-# plan exists but its encoder attention mask keeps the unsharded shape: the forward fails.
-SEQUENCE_PARALLEL_FAMILIES = ("flux", "wan")
+# Families whose denoiser runs sequence parallel and equals one device (tests/test_parallel.py): flux and wan on
+# diffusers' plans, sd3 and ltx on pipelines/parallel_attention.py's.
+SEQUENCE_PARALLEL_FAMILIES = ("flux", "wan", "sd3", "ltx")
 
 
 def native_attention_with_lse() -> None:
@@ -137,19 +140,16 @@ def native_attention_with_lse() -> None:
 
 
 def check_sequence_parallel(family: Any, parallel: ParallelConfig) -> None:
-    """At load: the family's denoisers have a context-parallel plan and heads the Ulysses degree divides; else a
-    ValueError naming parallel.ulysses."""
+    """At load: the family's denoisers run sequence parallel with heads the Ulysses degree divides; else a
+    ValueError naming parallel.ulysses (or ring)."""
     degree = "ulysses" if parallel.ulysses > 1 else "ring"
     for key in family.denoiser_keys:
         module = getattr(family.pipe, key, None)
         if module is None:
             continue
-        if not getattr(module, "_cp_plan", None):
+        if family.family not in SEQUENCE_PARALLEL_FAMILIES:
             raise ValueError(f"parallel.{degree}: the {type(module).__name__} of family {family.family} has no "
-                             "context-parallel plan (sequence parallelism covers flux and wan)")
-        if family.family not in SEQUENCE_PARALLEL_FAMILIES:  # a plan, but not one that runs here as it is
-            raise ValueError(f"parallel.{degree}: sequence parallelism covers {list(SEQUENCE_PARALLEL_FAMILIES)}; "
-                             f"family {family.family}'s plan does not run as it is (ltx: its attention mask)")
+                             f"context-parallel plan (sequence parallelism covers {list(SEQUENCE_PARALLEL_FAMILIES)})")
         heads = getattr(module.config, "num_attention_heads", None)
         if heads is not None and heads % parallel.ulysses:
             raise ValueError(f"parallel.ulysses = {parallel.ulysses} must divide the {heads} attention heads of "
@@ -227,17 +227,24 @@ def parallel_forward(family: Any, key: str, fn: Callable[..., torch.Tensor], bat
 
 
 def _check_shards(family: Any, key: str, inputs: dict[str, torch.Tensor], shard: int) -> None:
-    """The inputs a context-parallel plan splits at the denoiser's entry divide among `shard` ranks; else the
-    request is refused naming its size (no rank has started the forward, so the group stays in step)."""
+    """The sequences the context-parallel plan splits divide among `shard` ranks: the image tokens (the latents'
+    patches) and what the plan splits at the denoiser's entry. Else the request is refused naming its size (no
+    rank has started the forward, so the group stays in step)."""
     from stages.events import ErrorKind, StageError
 
-    plan = getattr(getattr(family.pipe, key), "_cp_plan", {}).get("", {})
-    for name, entry in plan.items():
+    module = getattr(family.pipe, key)
+    counts = {}
+    latents = inputs.get("hidden_states")
+    if latents is not None and latents.dim() > 3:  # unpatchified: the plan splits the tokens inside
+        counts["hidden_states"] = image_tokens(module, latents)
+    for name, entry in sequence_parallel_plan(family.family, module).get("", {}).items():
         tensor = inputs.get(name) if isinstance(name, str) else None
         split, dims = getattr(entry, "split_dim", None), getattr(entry, "expected_dims", None)
         if tensor is None or split is None or dims is not None and tensor.dim() != dims:  # the hook skips it too
             continue
-        if tensor.shape[split] % shard:
-            raise StageError("unsupported_size", f"the sequence of {name} ({tensor.shape[split]} tokens) does not "
-                             f"split among the {shard} sequence-parallel ranks of {family.name}: pick a size whose "
-                             f"token count it divides", param="size", kind=ErrorKind.INVALID)
+        counts[name] = tensor.shape[split]
+    for name, count in counts.items():
+        if count % shard:
+            raise StageError("unsupported_size", f"the sequence of {name} ({count} tokens) does not split among "
+                             f"the {shard} sequence-parallel ranks of {family.name}: pick a size whose token count "
+                             f"it divides", param="size", kind=ErrorKind.INVALID)

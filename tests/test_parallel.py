@@ -233,18 +233,53 @@ def test_a_killed_sequence_parallel_rank_restarts_the_world(flux_path):
         assert victim not in _ranks(eng).pids()
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(cfg=2), ParallelConfig(ulysses=2)], ids=["cfg2", "ulysses2"])
-def test_wan_parallel_equals_one_device(tmp_path, parallel):
+@pytest.mark.parametrize("family, parallel", [("wan", ParallelConfig(cfg=2)), ("wan", ParallelConfig(ulysses=2)),
+                                              ("ltx", ParallelConfig(ulysses=2))],
+                         ids=["wan-cfg2", "wan-ulysses2", "ltx-ulysses2"])
+def test_video_parallel_equals_one_device(tmp_path, family, parallel):
+    """Wan on diffusers' plan; LTX on ours (its text and the text's attention mask whole on every rank, the
+    cross-attention local to each rank's image shard: diffusers' plan splits the mask and fails)."""
     from pipelines.demo import build_demo_model
+    from pipelines.parallel import _check_shards
 
-    path = str(build_demo_model("wan", tmp_path / "wan"))
+    path = str(build_demo_model(family, tmp_path / family))
     request = VideoRequest(prompt="a fox", width=32, height=32, num_frames=5, num_inference_steps=3, seed=2)
     with running_engine(path, pools=THREADS) as eng:
         want = eng.submit_video("m", request).result(timeout=120)["frames"]
     with running_engine(path, pools=THREADS, parallel=parallel) as eng:
         got = eng.submit_video("m", request).result(timeout=120)["frames"]
         assert _sample(eng, "mmserve_parallel_step_seconds_count", 1) >= 3  # rank 1 held a half or half the tokens
+        if family == "wan" and parallel.ulysses == 2:  # one 48 px frame: 3 x 3 patches, which two ranks cannot split
+            with pytest.raises(StageError) as info:
+                _check_shards(_ranks_host(eng), "transformer", {"hidden_states": torch.zeros(1, 16, 1, 6, 6)}, 2)
+            assert info.value.kind is ErrorKind.INVALID and "(9 tokens)" in str(info.value), info.value
     assert_close(np.asarray(got, dtype=np.float32), np.asarray(want, dtype=np.float32))
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(ulysses=2), ParallelConfig(cfg=2, ring=2)],
+                         ids=["ulysses2", "cfg2-ring2"])
+def test_sd3_sequence_parallel_equals_one_device(tmp_path, parallel):
+    """SD3 has no diffusers plan: ours splits the image tokens after the patch embedding and keeps the text (77
+    CLIP + 256 T5 tokens, odd) whole on every rank; the joint attention all-to-alls (Ulysses) or gathers (ring) the
+    image's queries, keys and values and slices the text's heads. The demo is SD3.5-medium-shaped (per-head RMS
+    norm, a second image-only attention in the first block), so both attentions run sharded."""
+    from pipelines.demo import build_demo_model
+
+    path = str(build_demo_model("sd3", tmp_path / "sd3"))
+
+    def images(eng):
+        return [eng.submit_image("m", ImageRequest(
+            prompt="a red cube", width=64, height=64, num_inference_steps=3, seed=5, guidance_scale=scale,
+            negative_prompt="blurry" if scale > 1 else None)).result(timeout=120)["pixels"] for scale in (1.0, 5.0)]
+
+    with running_engine(path, pools=THREADS) as eng:
+        want = images(eng)
+    with running_engine(path, pools=THREADS, parallel=parallel) as eng:
+        got = images(eng)
+        steps = [_sample(eng, "mmserve_parallel_step_seconds_count", r) for r in range(parallel.world)]
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert min(steps) >= 3  # every rank ran (the cfg pair the guided image's unconditional half)
 
 
 def test_parallel_vae_decode_equals_the_one_rank_tiled_decode(tmp_path):
@@ -277,20 +312,11 @@ def test_parallel_vae_needs_a_wan_vae(sd_path):
         Engine(EngineConfig(models=(ModelSpec("m", sd_path, parallel=ParallelConfig(cfg=2, vae=True)),))).start()
 
 
-def test_ltx_sequence_parallel_is_refused_at_load(tmp_path):
-    from pipelines.demo import build_demo_model
-
-    path = str(build_demo_model("ltx", tmp_path / "ltx"))
-    engine = Engine(EngineConfig(models=(ModelSpec("m", path, parallel=ParallelConfig(ulysses=2)),)))
-    with pytest.raises(ValueError, match="parallel.ulysses: sequence parallelism covers \\['flux', 'wan'\\]"):
-        engine.start()
-    engine.shutdown()
-
-
 def test_a_unet_has_no_sequence_to_shard(sd_path):
     engine = Engine(EngineConfig(models=(ModelSpec("m", sd_path, parallel=ParallelConfig(ulysses=2)),)))
     with pytest.raises(ValueError, match="parallel.ulysses: the UNet2DConditionModel of family sd has no "
-                                         "context-parallel plan"):
+                                         "context-parallel plan \\(sequence parallelism covers \\['flux', 'wan', "
+                                         "'sd3', 'ltx'\\]\\)"):
         engine.start()
     engine.shutdown()
 

@@ -51,7 +51,7 @@ SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": 
 VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx")  # text/image-to-video (pipelines/demo/video.py); engine family wan / ltx
 VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo/vlm.py); qwen2_vl on request
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
-RECIPE_VERSION = 1  # bump when a builder changes, so existing demo checkpoints are rebuilt
+RECIPE_VERSION = 2  # bump when a builder changes, so existing demo checkpoints are rebuilt
 
 # Weights come from the global torch RNG: builds in two threads of one process must not interleave.
 _BUILD_LOCK = threading.Lock()
@@ -233,6 +233,8 @@ def _build_sd3(seed: int, scale: str):
             caption_projection_dim=32,  # = num_attention_heads * attention_head_dim
             pooled_projection_dim=64,  # both CLIP pooled projections, concatenated
             pos_embed_max_size=64,  # position table covers up to 64 patches * 2 * 8 = 1024 px
+            qk_norm="rms_norm",  # SD3.5's: per-head RMS norm of queries and keys
+            dual_attention_layers=(0,),  # SD3.5 medium's: the first block also attends over the image alone
         ),
     )
     # SD3's VAE: 16 latent channels, no quant convs, its scaling and shift factors.
