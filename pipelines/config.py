@@ -106,7 +106,10 @@ class ModelSpec:
         if not denoise.devices and self.device != "cpu":
             raise ValueError(f"{where}pools.denoise.devices must list the {world} ranks' devices (a {self.device} "
                              f"model starts CPU ranks only when device = \"cpu\")")
-        for key in ("graphs", "compile", "step_cache"):
+        if self.step_cache.enabled and self.parallel.ulysses * self.parallel.ring > 1:
+            raise ValueError(f"{where}step_cache does not combine with parallel.ulysses or ring yet (each shard "
+                             "would decide on its own tokens); cfg = 2 keeps each guidance branch's cache on its rank")
+        for key in ("graphs", "compile"):
             if getattr(getattr(self, key), "enabled", False):
                 raise ValueError(f"{where}{key} does not combine with parallel yet (the ranks run the plain "
                                  "denoiser)")

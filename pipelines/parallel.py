@@ -17,6 +17,7 @@ import torch
 
 from pipelines.config import ModelSpec, ParallelConfig
 from pipelines.parallel_attention import after_parallel, before_parallel, image_tokens, sequence_parallel_plan
+from stages.diffusion.block_stack import RowGroup
 from stages.diffusion.ranks import RankGroup, RankPlan
 from stages.metrics import Metrics
 from stages.pool import PoolConfig
@@ -37,8 +38,10 @@ class FamilyLoader:
         from stages.thread_budget import one_thread
 
         with one_thread():
-            return load_family(dataclasses.replace(self.spec, device=self.device), self.family,
-                               EncoderCache("prompt_embedding", 0))
+            family = load_family(dataclasses.replace(self.spec, device=self.device), self.family,
+                                 EncoderCache("prompt_embedding", 0))
+        family.accelerate(self.spec.speedups)  # the step cache's wrappers (rank 0 counts the decisions)
+        return family
 
 
 @dataclass(frozen=True)
@@ -177,14 +180,17 @@ def start_ranks(spec: ModelSpec, family_name: str, family: Any, metrics: Metrics
 
 
 def parallel_forward(family: Any, key: str, fn: Callable[..., torch.Tensor], batched: dict[str, Any],
-                     shared: dict[str, Any], cfg: bool, sizes: list[int]) -> torch.Tensor | None:
+                     shared: dict[str, Any], cfg: bool, sizes: list[int],
+                     groups: list[RowGroup] | None = None) -> torch.Tensor | None:
     """One denoiser forward across the replica's ranks, or None when this batch does not split (no guidance on a
     cfg-only replica: rank 0 runs it alone).
 
     cfg = 2 with a guided batch (each item's rows [uncond x n, cond x n]): ranks 0..u-1 run the cond rows, ranks
     u..2u-1 the uncond rows (u = ulysses x ring ranks a half); each half's sequence is sharded across its u ranks
     by diffusers' hooks, which gather the output on each. Otherwise with sequence parallel every rank of the first
-    half runs the whole batch."""
+    half runs the whole batch. Step-cached requests (`groups`, cfg = 2 without sequence parallel): each half runs
+    through its rank's block stack, which keeps that CFG branch's cache (the uncond branch's on rank 1, keyed by
+    the request's StepCacheState.key); rank 1's decisions are counted on rank 0."""
     p, ranks = family.parallel, family.ranks
     shard = p.ulysses * p.ring
     if shard == 1 and not cfg:
@@ -217,12 +223,42 @@ def parallel_forward(family: Any, key: str, fn: Callable[..., torch.Tensor], bat
         return ranks.forward(key, parts, plain, lambda inputs: fn(**inputs), replies=set())[0]
     halves = (part(cond), part(uncond))
     parts = [halves[r // shard] for r in range(p.world)]
-    outputs = ranks.forward(key, parts, plain, lambda inputs: fn(**inputs), replies={shard})
+    local, method = (lambda inputs: fn(**inputs)), "call_denoiser"
+    cached = groups is not None and any(g.state is not None for g in groups)
+    if cached:
+        assert groups is not None and shard == 1  # ModelSpec refuses step_cache with sequence parallel
+        mine_groups, their_groups = _half_groups(groups, cond), _half_groups(groups, uncond)
+        plain = {**plain, "step_groups": [(g.start, g.stop, g.state.key if g.state else None,
+                                           g.state.params if g.state else None, g.step, g.total)
+                                          for g in their_groups]}
+
+        def local(inputs):
+            inputs.pop("step_groups")
+            return family.denoiser(key, fn, inputs, {}, mine_groups)
+
+        method = "rank_denoise"
+    outputs = ranks.forward(key, parts, plain, local, replies={shard}, method=method)
+    if cached:
+        decisions = ranks.notes.get(shard) or []
+        family.denoiser.count([g for g in their_groups if g.state is not None], decisions)
     mine, theirs = outputs[0], outputs[shard]
     assert mine is not None and theirs is not None  # rank 0 and the uncond half's first rank reply
     out = mine.new_empty((total, *mine.shape[1:]))
     out[cond] = mine
     out[uncond] = theirs.to(mine.device)
+    return out
+
+
+def _half_groups(groups: list[RowGroup], rows: list[int]) -> list[RowGroup]:
+    """The row groups of one CFG half, re-indexed to its rows (`rows`: the half's rows of the batch, ascending; a
+    group's rows in a half are consecutive)."""
+
+    position = {r: p for p, r in enumerate(rows)}
+    out = []
+    for g in groups:
+        mine = [position[r] for r in range(g.start, g.stop) if r in position]
+        if mine:
+            out.append(dataclasses.replace(g, start=mine[0], stop=mine[-1] + 1))
     return out
 
 

@@ -282,6 +282,38 @@ def test_sd3_sequence_parallel_equals_one_device(tmp_path, parallel):
     assert min(steps) >= 3  # every rank ran (the cfg pair the guided image's unconditional half)
 
 
+def test_step_caching_on_cfg_parallel_equals_one_device(tmp_path):
+    """Three step-cached SD3 requests in one batch (first-block cache, TeaCache, every 2nd step) on cfg = 2: rank 1
+    keeps the unconditional branch's cache, rank 0 the conditional's; each image and the computed/skipped counts
+    (rank 1's decisions counted on rank 0) equal one device's."""
+    from pipelines.demo import build_demo_model
+    from stages.diffusion.step_cache import StepCacheConfig
+
+    path = str(build_demo_model("sd3", tmp_path / "sd3"))
+    caches = [{"method": "fbcache", "threshold": 0.3}, {"method": "teacache", "threshold": 0.1},
+              {"method": "interval", "interval": 2}]
+
+    def run(eng):
+        handles = [eng.submit_image("m", ImageRequest(
+            prompt="a red cube", width=64, height=64, num_inference_steps=8, seed=5 + i, guidance_scale=5.0,
+            negative_prompt="blurry", step_cache=c)) for i, c in enumerate(caches)]
+        images = [h.result(timeout=120)["pixels"] for h in handles]
+        counts = {(c["method"], o): eng.metrics.registry.get_sample_value(
+            "mmserve_step_cache_steps_total", {"model": "m", "method": c["method"], "outcome": o})
+            for c in caches for o in ("computed", "skipped")}
+        return images, counts
+
+    allow = StepCacheConfig(enabled=True)
+    with running_engine(path, pools=THREADS, step_cache=allow) as eng:
+        want, want_counts = run(eng)
+    with running_engine(path, pools=THREADS, step_cache=allow, parallel=ParallelConfig(cfg=2)) as eng:
+        got, counts = run(eng)
+    assert counts == want_counts
+    assert all(counts[(c["method"], "skipped")] >= 2 for c in caches), counts  # every method skipped on both
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
 def test_parallel_vae_decode_equals_the_one_rank_tiled_decode(tmp_path):
     """[models.parallel] vae = true: a video's VAE tiles (16 px tiles, 8 px stride: 16 tiles at 32 px) decoded
     across the two ranks and blended on rank 0 give vae.tiled_decode's video; the whole video equals a one-device
@@ -329,7 +361,8 @@ def test_a_unet_has_no_sequence_to_shard(sd_path):
     (dict(parallel=dict(cfg=2), pools={"denoise": PoolConfig(devices=("cpu", "cpu", "cpu"))}),
      "pools.denoise.devices must list one device per rank (2"),
     (dict(parallel=dict(cfg=2), device="cuda:0"), "pools.denoise.devices must list the 2 ranks' devices"),
-    (dict(parallel=dict(cfg=2), step_cache=dict(enabled=True)), "step_cache does not combine with parallel"),
+    (dict(parallel=dict(ulysses=2), step_cache=dict(enabled=True)),
+     "step_cache does not combine with parallel.ulysses or ring yet"),
 ])
 def test_bad_parallel_config_names_the_key(kwargs, message):
     from stages.diffusion.step_cache import StepCacheConfig

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any, Protocol
 
@@ -95,15 +96,41 @@ class DenoiserSpeedups(SpeedupHost):
         """One batched denoiser forward through the speed-ups, or across the replica's ranks (CFG-parallel, when
         every item uses guidance); split back per item."""
         fn = functools.partial(self.call_denoiser, key)
+        groups = self.row_groups(items, sizes)
         out = None
         if self.ranks is not None:
             from pipelines.parallel import parallel_forward
 
             cfg = all(item.inputs["cond"]["cfg"] for item in items)
-            out = parallel_forward(self, key, fn, batched, shared or {}, cfg and self.parallel.cfg == 2, sizes)
+            out = parallel_forward(self, key, fn, batched, shared or {}, cfg and self.parallel.cfg == 2, sizes, groups)
         if out is None:
-            out = self.denoiser(key, fn, batched, shared or {}, self.row_groups(items, sizes))
+            out = self.denoiser(key, fn, batched, shared or {}, groups)
         return self.split(out, sizes)
+
+    def rank_denoise(self, key: str, step_groups: list[tuple], **inputs: Any) -> torch.Tensor:
+        """A CFG-parallel rank's half of a step-cached forward: `step_groups` are its row groups as (start, stop,
+        the request's cache key or None, its params, step, total); the branch each caches lives here, on the rank
+        that computes it, until its last step (or, for a request that ended early, until 256 newer ones)."""
+        caches = self.__dict__.setdefault("_rank_caches", collections.OrderedDict())
+        groups = []
+        for start, stop, cache_key, params, step, total in step_groups:
+            state = None
+            if cache_key is not None:
+                state = caches.pop(cache_key, None) or StepCacheState.new(params, 1)
+                if step < total - 1:
+                    caches[cache_key] = state
+            groups.append(RowGroup(start, stop, state, 0, step, total))
+        while len(caches) > 256:
+            caches.popitem(last=False)
+        before = [g.state.computed for g in groups if g.state is not None]
+        out = self.denoiser(key, functools.partial(self.call_denoiser, key), inputs, {}, groups)
+        after = [g.state.computed for g in groups if g.state is not None]
+        self._rank_decisions = [a > b for a, b in zip(after, before, strict=True)]
+        return out
+
+    def rank_notes(self) -> list[bool] | None:
+        """What rank 0 counts of this rank's last forward: its step-cache decisions (True: computed)."""
+        return self.__dict__.pop("_rank_decisions", None)
 
     def call_denoiser(self, key: str, *args: Any, **inputs: Any) -> torch.Tensor:
         """The denoiser `key` on one batch of inputs -> its output tensor (what graphs capture). A family may

@@ -77,7 +77,7 @@ class DenoiserCall:
                 self.observer.eager("step_cache")
             with self.stacks[key].active(groups) as run:
                 out = self._first_call_timed(key, batched, shared, lambda: fn(**batched, **shared))
-            self._count(run.groups, run.decisions)
+            self.count(run.groups, run.decisions)
             return out
         if self.graphs.enabled:
             runner = self._runner(key, fn)
@@ -113,7 +113,8 @@ class DenoiserCall:
         log.info("%s/%s: first call of %d rows took %.2f s (compile warm-up)", self.model, key, shape[1][0], seconds)
         return out
 
-    def _count(self, groups: list[RowGroup], decisions: list[bool | None]) -> None:
+    def count(self, groups: list[RowGroup], decisions: list[bool | None]) -> None:
+        """The step cache's decisions, one per row group (a CFG-parallel rank's are counted on rank 0)."""
         if self.metrics is None:
             return
         for g, computed in zip(groups, decisions):

@@ -120,7 +120,8 @@ def rank_main(load: Callable[[], Any], setup: Callable[[Any, int, str], None] | 
             error = None
         except Exception as exc:  # the same inputs fail on every rank alike (a shape a shard cannot split)
             out, error = None, f"{type(exc).__name__}: {exc}"
-        status = {"error": error, "compute": time.perf_counter() - began,
+        notes = getattr(host, "rank_notes", None)  # what the forward tells rank 0 besides its output
+        status = {"error": error, "compute": time.perf_counter() - began, "notes": notes() if notes else None,
                   "shape": None if out is None else tuple(out.shape), "dtype": None if out is None else out.dtype}
         sent = time.perf_counter()
         _send_object(pg, status, range(0, 1), STATUS_TAG, dev)
@@ -142,6 +143,7 @@ class RankGroup:
         self.plan = plan
         self.host = host
         self.observe = observe or (lambda rank, compute, collective: None)
+        self.notes: dict[int, Any] = {}  # each busy rank's `rank_notes()` after the last forward
         self._procs: list[subprocess.Popen] = []
         self._pg: Any = None
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -224,7 +226,7 @@ class RankGroup:
             compute = time.perf_counter() - began
             received = time.perf_counter()
             busy = [r for r in range(1, self.plan.world) if parts[r] is not None]
-            theirs, times, errors = self._collective(lambda: self._receive(busy, replies, dev))
+            theirs, times, errors, self.notes = self._collective(lambda: self._receive(busy, replies, dev))
             if failed is not None or errors:
                 raise StageError("parallel_forward_failed", f"the parallel denoiser of {self.name} failed: "
                                  f"{failed or errors[0]}", kind=ErrorKind.INTERNAL) from failed
@@ -256,11 +258,12 @@ class RankGroup:
                 self._pg.send([t], r, HEADER_TAG).wait()
 
     def _receive(self, busy: list[int], replies: set[int], dev: torch.device
-                 ) -> tuple[dict[int, torch.Tensor], list[list[float]], list[str]]:
+                 ) -> tuple[dict[int, torch.Tensor], list[list[float]], list[str], dict[int, Any]]:
         outputs: dict[int, torch.Tensor] = {}
-        times, errors = [], []
+        times, errors, notes = [], [], {}
         for r in busy:
             status = _recv_object(self._pg, r, STATUS_TAG, dev)
+            notes[r] = status["notes"]
             if status["error"] is None and r in replies:
                 out = torch.empty(status["shape"], dtype=status["dtype"], device=dev)
                 self._pg.recv([out], r, OUTPUT_TAG).wait()
@@ -270,7 +273,7 @@ class RankGroup:
             t = torch.empty(2, dtype=torch.float64, device=dev)
             self._pg.recv([t], r, TIMES_TAG).wait()
             times.append(t.tolist())
-        return outputs, times, errors
+        return outputs, times, errors, notes
 
     def _kill(self) -> None:
         for proc in self._procs:

@@ -17,7 +17,8 @@ The first and last steps are always computed. The execution lives in stages/diff
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from stages.events import ErrorKind, StageError
@@ -109,6 +110,7 @@ class StepCacheState:
     branches: list[BranchCache]
     computed: int = 0  # branch-steps run through every block
     skipped: int = 0  # branch-steps that reused the cached residual
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)  # names it where another rank keeps a branch
 
     @classmethod
     def new(cls, params: StepCacheParams, num_branches: int) -> "StepCacheState":
