@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from encoders.vision import EncodeTask, Geometry, MediaItem, Prepared, VisionAdapter
+from encoders.vision import EncoderAdapter, EncodeTask, Geometry, MediaItem, Prepared
 
 
-class LlavaAdapter(VisionAdapter):
+class LlavaAdapter(EncoderAdapter):
     family = "llava"
     video_as_images = True
 

@@ -16,7 +16,7 @@ from typing import Any, Hashable
 
 import torch
 
-from encoders.vision import EncodeTask, Geometry, MediaItem, Prepared, VisionAdapter
+from encoders.vision import EncoderAdapter, EncodeTask, Geometry, MediaItem, Prepared
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -29,7 +29,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         raise ValueError(f"image of {width}x{height} pixels cannot be encoded: {e}") from None
 
 
-class Qwen2VLAdapter(VisionAdapter):
+class Qwen2VLAdapter(EncoderAdapter):
     family = "qwen2_vl"
     uses_mrope = True
 

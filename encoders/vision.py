@@ -1,7 +1,7 @@
-"""Vision encoder adapters: the contract every VLM family implements, and what they share.
+"""Encoder adapters: the contract every vision- or audio-language family implements, and what they share.
 
-An adapter wraps one loaded vision-language model and its processor. It answers, for one
-decoded media item:
+An adapter wraps one loaded multimodal model's encoder (its vision tower, or its audio encoder) and the
+processor. It answers, for one decoded media item:
 
 * `plan`: the geometry (placeholder tokens = feature rows, grid) from the item's size alone,
   before any pixel is preprocessed, so a request that is too long is refused before encoding;
@@ -11,7 +11,8 @@ decoded media item:
 * `encode`: one forward for a bucket, through the model's own feature functions (the tower,
   the feature layer and select strategy, the projector / merger), one feature tensor per item.
 
-A family is one file (encoders/llava.py, encoders/qwen2_vl.py) plus one line in ADAPTERS.
+A family is one file (encoders/llava.py, encoders/qwen2_vl.py, encoders/audio.py) plus one line in ADAPTERS
+(vision) or AUDIO_ADAPTERS (audio).
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from typing import Any, Hashable
 
 import torch
 
-# config.json `architectures` -> "module:Class" of the adapter that serves it.
+# config.json `architectures` -> "module:Class" of the adapter that serves its vision input ...
 ADAPTERS = {
     "LlavaForConditionalGeneration": "encoders.llava:LlavaAdapter",
     "Qwen2VLForConditionalGeneration": "encoders.qwen2_vl:Qwen2VLAdapter",
     "Qwen2_5_VLForConditionalGeneration": "encoders.qwen2_vl:Qwen2VLAdapter",
+}
+# ... and its audio input.
+AUDIO_ADAPTERS = {
+    "Qwen2AudioForConditionalGeneration": "encoders.audio:Qwen2AudioAdapter",
 }
 
 
@@ -36,10 +41,10 @@ ADAPTERS = {
 class MediaItem:
     """One decoded media input, as an encoder takes it."""
 
-    kind: str  # "image" or "video"
-    pixels: Any  # image: PIL.Image (RGB); video: uint8 ndarray [T, H, W, 3]
+    kind: str  # "image", "video" or "audio"
+    pixels: Any  # image: PIL.Image (RGB); video: uint8 ndarray [T, H, W, 3]; audio: float32 [N] mono samples
     content_hash: str  # sha256 of the source bytes and the decode config (frame sampling included)
-    height: int
+    height: int  # (0 for audio)
     width: int
     detail: str = "auto"  # resolution hint: "low" | "high" | "auto"
     fps: float | None = None  # video: the source's frame rate
@@ -55,7 +60,7 @@ class MediaItem:
 class Geometry:
     """Where an item's features go and how they are laid out."""
 
-    kind: str  # "image" or "video": which placeholder token the span uses
+    kind: str  # "image", "video" or "audio": which placeholder token the span uses
     num_tokens: int  # placeholder tokens in the prompt = feature rows
     grid_thw: tuple[int, int, int] | None = None  # patch grid (t, h, w) before the spatial merge (Qwen2-VL)
     second_per_grid: float | None = None  # video: seconds of video per temporal grid step (M-RoPE)
@@ -90,8 +95,8 @@ def config_hash(config: dict[str, Any], options: tuple) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-class VisionAdapter:
-    """One VLM family. Holds the model's vision parts and the processor; no per-request state."""
+class EncoderAdapter:
+    """One family's encoder: the model's vision (or audio) parts and the processor; no per-request state."""
 
     family: str = ""
     uses_mrope: bool = False  # the language model takes 3-D positions (rope_positions)
@@ -144,8 +149,10 @@ class VisionAdapter:
         return None
 
 
-def adapter_class(architecture: str) -> type[VisionAdapter]:
-    if architecture not in ADAPTERS:
-        raise ValueError(f"no vision adapter for {architecture!r}; supported: {sorted(ADAPTERS)}")
-    module, cls = ADAPTERS[architecture].split(":")
+def adapter_class(architecture: str, audio: bool = False) -> type[EncoderAdapter] | None:
+    """The vision (or audio) adapter of an architecture; None when it has no such input."""
+    table = AUDIO_ADAPTERS if audio else ADAPTERS
+    if architecture not in table:
+        return None
+    module, cls = table[architecture].split(":")
     return getattr(importlib.import_module(module), cls)

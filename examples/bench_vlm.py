@@ -166,13 +166,13 @@ def main() -> None:
             cold, warm = bench_ttft(engine, "bench", args.repeats)
             print(f"TTFT first question {cold * 1000:.1f} ms, second question (cache warm) {warm * 1000:.1f} ms: "
                   f"ratio {warm / cold:.2f}x (target <= 0.5x)")
-            encoders = {"qwen2.5-vl": engine.chat_model("bench").adapter}
+            encoders = {"qwen2.5-vl": engine.chat_model("bench").adapters["image"]}
             if not args.checkpoint:
                 llava = build_llava(Path(tmp) / "bench-llava", args.vision_depth, args.vision_hidden)
                 engine.shutdown()
                 engine = Engine(EngineConfig(models=(ModelSpec("llava", str(llava), device=args.device),)))
                 engine.start()
-                encoders["llava"] = engine.chat_model("llava").adapter
+                encoders["llava"] = engine.chat_model("llava").adapters["image"]
             for family, adapter in encoders.items():
                 single, batched, buckets = bench_encoder(adapter, args.images, args.repeats)
                 print(f"encoder ({family}), {args.images} mixed-size images: one per forward {single * 1000:.1f} ms, "

@@ -150,6 +150,7 @@ DEFAULT_POOLS = {
     "llm": PoolConfig(max_batch_size=4096, max_delay_ms=0.0, max_queue=256),
     # Requests' media items share encoder forwards per shape bucket; a few ms gathers concurrent requests.
     "vision_encode": PoolConfig(max_batch_size=16, max_delay_ms=2.0, max_queue=256),
+    "audio_encode": PoolConfig(max_batch_size=16, max_delay_ms=2.0, max_queue=256),
     "text_encode": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256),
     "denoise": PoolConfig(max_batch_size=8, max_delay_ms=0.0, max_queue=64),
     "vae_decode": PoolConfig(max_batch_size=4, max_delay_ms=2.0, max_queue=256),

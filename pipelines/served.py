@@ -291,9 +291,16 @@ class ServedChat:
 
 
 class ServedVLM(ServedChat):
-    """A vision-language model: vision_encode (through the encoder-output cache) -> llm."""
+    """A vision- or audio-language model: vision_encode and/or audio_encode (through the encoder-output cache)
+    -> llm."""
 
-    tasks = ("chat", "vision-chat")
+    def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
+        super().__init__(spec, family_name, ctx, random_weights)
+        model = self.model
+        assert isinstance(model, VLMChatModel)
+        kinds = (["vision-chat"] if "image" in model.accepts else []) + (["audio-chat"] if "audio" in model.accepts
+                                                                            else [])
+        self.info = dataclasses.replace(self.info, tasks=("chat", *kinds))
 
     def _load(self, spec: ModelSpec, ctx: LoadContext) -> LanguageModel:
         # A reload gets a new weights id (file fingerprint); entries of the old weights are dropped now.
@@ -307,25 +314,32 @@ class ServedVLM(ServedChat):
         assert isinstance(model, VLMChatModel)
         decode = MediaDecodeStage(self.name, self.ctx.media, decode_chat_media(model, self.ctx.media_config),
                                   self.finalize)
-        return (("media_decode", decode, self.ctx.media_pool), ("vision_encode", model.encode_stage, None),
-                ("llm", model.stage, None))
+        return (("media_decode", decode, self.ctx.media_pool),
+                *((kind, stage, None) for kind, stage in model.encode_stages.items()), ("llm", model.stage, None))
 
     def execution_with_media(self, request: ChatRequest, parsed: ParsedChat, sources: list[bytes]) -> Execution:
-        """A request with image or video parts, its sources fetched: media_decode -> vision_encode -> llm, and
-        llm reads media_decode too (the prompt it planned) besides the features: a fan-in."""
+        """A request with media parts, its sources fetched: media_decode -> the encoders its parts need
+        (vision_encode, audio_encode) -> llm, which reads media_decode too (the prompt it planned) besides the
+        features: a fan-in."""
+        model = self.model
+        assert isinstance(model, VLMChatModel)
+        needed = {"audio_encode" if part.kind == "audio" else "vision_encode" for part in parsed.media}
+        encoders = [kind for kind in model.encode_stages if kind in needed]
         nodes = (Node("media_decode", f"{self.name}/media_decode"),
-                 Node("vision_encode", f"{self.name}/vision_encode", ("media_decode",)),
-                 Node("llm", f"{self.name}/llm", ("media_decode", "vision_encode")))
+                 *(Node(kind, f"{self.name}/{kind}", ("media_decode",)) for kind in encoders),
+                 Node("llm", f"{self.name}/llm", ("media_decode", *encoders)))
         return Execution(StageGraph(nodes, "llm"), {"request": request,
                                                      "decode": DecodeChatMedia(parsed, tuple(sources))})
 
     def finalize(self, request: ChatRequest, decoded) -> dict[str, Any]:
-        """The prompt with every placeholder expanded, checked against the context (media_decode calls it)."""
+        """The prompt with every placeholder expanded, checked against the context (media_decode calls it), and
+        each encoder's tasks."""
         model = self.model
         assert isinstance(model, VLMChatModel)
         parsed, media = decoded
         generation, tasks = model.generation_request_with_media(request, parsed, media)
-        return {"request": generation, "media": tasks}
+        return {"request": generation, "media": tasks.get("vision_encode", ()),
+                "audio_media": tasks.get("audio_encode", ())}
 
 
 class ServedEmbedding:

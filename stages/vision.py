@@ -1,13 +1,14 @@
-"""The vision_encode stage: media items -> features, through the encoder-output cache.
+"""The encoder stages of chat models: vision_encode (images, video) and audio_encode (audio clips) -> features,
+through the one encoder-output cache.
 
-A batch is several requests' items (`inputs["media"]`: EncodeTasks in prompt order). Per batch:
+A batch is several requests' items (`inputs[stage.source]`: EncodeTasks in prompt order). Per batch:
 
 1. claim every item's cache key: a hit, a wait on another caller's computation, or the lead
    (identical items within the batch share one claim);
 2. prepare the leaders' pixels and group them by the adapter's bucket (same shape, or packed
    variable-length input), then one encoder forward per group;
 3. publish each leader's features to the cache (visible only now, complete), then collect
-   every request's features in order: {"features": [Tensor [tokens, hidden], ...]}.
+   every request's features in order: {stage.output: [Tensor [tokens, hidden], ...]}.
 
 Single flight: concurrent misses of one key (8 requests for one new image) encode it once.
 """
@@ -20,7 +21,7 @@ from typing import Any, Hashable
 import torch
 
 from encoders.cache import EncoderCache
-from encoders.vision import EncodeTask, Prepared, VisionAdapter
+from encoders.vision import EncoderAdapter, EncodeTask, Prepared
 from stages.metrics import Metrics
 from stages.stage import Stage, WorkItem
 
@@ -29,8 +30,10 @@ WAIT_TIMEOUT_S = 600.0  # a waiter gives up on a leader in another worker after 
 
 class VisionEncodeStage(Stage):
     kind = "vision_encode"
+    source = "media"  # the input holding the request's EncodeTasks of this encoder
+    output = "features"  # the output holding their features, in order
 
-    def __init__(self, model: str, adapter: VisionAdapter, cache: EncoderCache, metrics: Metrics,
+    def __init__(self, model: str, adapter: EncoderAdapter, cache: EncoderCache, metrics: Metrics,
                  max_items_per_forward: int = 32):
         self.model = model
         self.adapter = adapter
@@ -45,8 +48,8 @@ class VisionEncodeStage(Stage):
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         # 1. claim every item: a hit, a wait (on another worker, or on a leader in this batch) or the lead
-        claims = [[self.cache.claim(task.key) for task in item.inputs["media"]] for item in items]
-        leaders = {c.key: task for item, cs in zip(items, claims) for task, c in zip(item.inputs["media"], cs)
+        claims = [[self.cache.claim(task.key) for task in item.inputs[self.source]] for item in items]
+        leaders = {c.key: task for item, cs in zip(items, claims) for task, c in zip(item.inputs[self.source], cs)
                    if c.kind == "lead"}
         # 2. encode the leaders, one forward per bucket
         lead_claims = {c.key: c for cs in claims for c in cs if c.kind == "lead"}
@@ -71,7 +74,7 @@ class VisionEncodeStage(Stage):
                         claim.wait(WAIT_TIMEOUT_S)
                     saved.inc(entry["encode_s"])
                 features.append(entry["features"])
-            outputs.append({"features": features})
+            outputs.append({self.output: features})
         return outputs
 
     def _encode(self, tasks: list[EncodeTask]) -> dict[Hashable, dict[str, Any]]:
@@ -94,3 +97,12 @@ class VisionEncodeStage(Stage):
                 for prepared, feats in zip(batch, features, strict=True):
                     out[prepared.task.key] = {"features": feats, "encode_s": share}
         return out
+
+
+class AudioEncodeStage(VisionEncodeStage):
+    """Audio clips -> features (an audio-language model's Whisper-style encoder and projector): the same batching,
+    buckets and cache as images, its own pool and node."""
+
+    kind = "audio_encode"
+    source = "audio_media"
+    output = "audio_features"

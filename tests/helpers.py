@@ -76,3 +76,19 @@ def cancel_mid_loop(handle, pool) -> tuple[float, float]:
         assert time.monotonic() - cancelled < 30, "the pool did not drop the cancelled item"
         time.sleep(0.002)
     return time.monotonic() - cancelled, (seen[-1] - seen[0]) / 2
+
+
+def wav_bytes(samples, rate: int = 16000) -> bytes:
+    """A mono 16-bit WAV file of float samples in [-1, 1]."""
+    import io
+    import wave
+
+    import numpy as np
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return out.getvalue()

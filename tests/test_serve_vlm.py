@@ -1,7 +1,7 @@
-"""Image and video chat through a real server process, driven by the official openai client.
+"""Image, video and audio chat through a real server process, driven by the official openai client.
 
-One module-scoped server with the tiny demo LLaVA and Qwen2.5-VL (random weights: the text is
-noise, the code path is real) and the demo Llama (a text model refuses media parts). Greedy
+One module-scoped server with the tiny demo LLaVA, Qwen2.5-VL and Qwen2-Audio (random weights: the
+text is noise, the code path is real) and the demo Llama (a text model refuses media parts). Greedy
 answers equal transformers generate() on the processor's inputs, decoded.
 """
 
@@ -49,7 +49,8 @@ def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-vlm")
     return {"llava-demo": build_demo_model("llava", root / "llava"),
             "qwen-vl-demo": build_demo_model("qwen2_5_vl", root / "qwen"),
-            "llama-demo": build_demo_model("llama", root / "llama"), "root": root}
+            "llama-demo": build_demo_model("llama", root / "llama"),
+            "qwen2-audio-demo": build_demo_model("qwen2_audio", root / "qwen2_audio"), "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ path = "{paths[name]}"
 kv_cache_mb = 8
 block_size = 4
 """ + ("" if name == "llama-demo" else "[models.vlm]\nmax_images = 2\n")
-                     for name in ("llava-demo", "qwen-vl-demo", "llama-demo"))
+                     for name in ("llava-demo", "qwen-vl-demo", "llama-demo", "qwen2-audio-demo"))
     srv = Server(paths["root"], models)
     yield srv
     srv.stop()
@@ -124,10 +125,55 @@ def bad_request(client, model: str, messages) -> openai.BadRequestError:
     return err.value
 
 
+def audio_message(data: bytes) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}},
+        {"type": "text", "text": QUESTION}]}]
+
+
+def test_audio_chat_with_the_openai_client(client, server, paths):
+    """OpenAI's input_audio part: the answer equals generate() on the processor's inputs; the same clip again,
+    streamed, is answered from the encoder-output cache (the series images count in too)."""
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    from tests.helpers import wav_bytes
+
+    samples = 0.3 * np.sin(2 * np.pi * 220 * np.arange(20000) / 16000) * np.linspace(0, 1, 20000)
+    data = wav_bytes(samples)
+    path = paths["qwen2-audio-demo"]
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "audio"}, {"type": "text",
+                                                                                          "text": QUESTION}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    clip = np.frombuffer(data[44:], dtype="<i2").astype(np.float32) / 32768
+    inputs = processor(text=text, audio=[clip], sampling_rate=16000, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    reply = client.chat.completions.create(model="qwen2-audio-demo", messages=audio_message(data), **GREEDY)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    before = metric(server.url, "mmserve_cache_hits_total", cache="encoder_output")
+    chunks = list(client.chat.completions.create(model="qwen2-audio-demo", messages=audio_message(data), stream=True,
+                                                 **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert metric(server.url, "mmserve_cache_hits_total", cache="encoder_output") == before + 1
+    entries = {m.id: m.model_dump() for m in client.models.list()}
+    assert entries["qwen2-audio-demo"]["tasks"] == ["chat", "audio-chat"]
+
+
 def test_errors_name_the_field(client):
     audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]
     err = bad_request(client, "qwen-vl-demo", audio)
-    assert "audio input needs a speech model" in err.message and err.body["param"] == "messages[0].content[0].type"
+    assert "model qwen-vl-demo takes no audio input" in err.message
+    assert err.body["param"] == "messages[0].content[0].type"
+    err = bad_request(client, "qwen2-audio-demo", image_message(png(2)))
+    assert "takes no image input" in err.message and err.body["param"] == "messages[0].content[0].type"
+    err = bad_request(client, "qwen2-audio-demo", audio_message(b"RIFF" + b"\0" * 200))
+    assert err.body["param"] == "messages[0].content[0].input_audio.data"
+    err = bad_request(client, "llama-demo", audio)  # a text model reads text parts only
+    assert err.body["param"] == "messages[0].content[0]" and "text" in err.message
     three = [{"role": "user", "content": image_message(png(2))[0]["content"][:1] * 3}]
     err = bad_request(client, "llava-demo", three)
     assert err.body["param"] == "messages[0].content[2].image_url" and "max_images" in err.message

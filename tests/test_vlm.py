@@ -18,7 +18,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.video_utils import VideoMetadata
 
 from pipelines.chat import ChatRequest, LLMConfig
-from pipelines.chat_parts import AUDIO_REFUSAL, VLMConfig
+from pipelines.chat_parts import VLMConfig
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.demo import build_demo_model
 from pipelines.engine import Engine
@@ -143,7 +143,7 @@ def test_image_answer_equals_generate_cold_warm_and_batched(engine, references, 
     # Another image request alongside: one encoder forward for a new image and a cached one, shared llm steps.
     c = png(12, width=64, height=64)
     expected_c = generate(references, name, ["image"], images=[pil(c)])
-    stage = engine.chat_model(name).encode_stage
+    stage = engine.chat_model(name).encode_stages["vision_encode"]
     forwards = stage.forwards
 
     async def together():
@@ -236,7 +236,7 @@ def test_hit_equals_cache_disabled_output(engine, paths):
     try:
         for _ in range(2):
             assert tokens(chat(off, "qwen", user(image_part(data)))) == tokens(warm)
-        assert len(off.encoder_cache) == 0 and off.chat_model("qwen").encode_stage.items_encoded == 2
+        assert len(off.encoder_cache) == 0 and off.chat_model("qwen").encode_stages["vision_encode"].items_encoded == 2
     finally:
         off.shutdown()
 
@@ -248,7 +248,7 @@ def test_eight_concurrent_requests_encode_a_new_image_once(paths, references):
     pools = {"vision_encode": PoolConfig(replicas=2, max_batch_size=2)}
     engine = Engine(EngineConfig(models=(ModelSpec("llava", paths["llava"], llm=LLM, pools=pools),)))
     engine.start()
-    stage = engine.chat_model("llava").encode_stage
+    stage = engine.chat_model("llava").encode_stages["vision_encode"]
     results: list = [None] * 8
     barrier = threading.Barrier(8)
 
@@ -276,13 +276,13 @@ def refused(engine, model, messages, **params) -> StageError:
 
 
 def test_bad_input_is_refused_before_encoding(engine):
-    stage = engine.chat_model("llava").encode_stage
+    stage = engine.chat_model("llava").encode_stages["vision_encode"]
     encoded = stage.items_encoded
     image = png(70)
     err = refused(engine, "llava", user(*[image_part(image)] * 4))
     assert err.param == "messages[0].content[3].image_url" and "max_images" in err.message
     err = refused(engine, "llava", [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}])
-    assert err.param == "messages[0].content[0].type" and AUDIO_REFUSAL in err.message
+    assert err.param == "messages[0].content[0].type" and "model llava takes no audio input" in err.message
     err = refused(engine, "llava", [{"role": "user", "content": [{"type": "file", "file": {}}]}])
     assert err.param == "messages[0].content[0].type"
     err = refused(engine, "qwen", user(video_part(mp4(3), max_frames=9)))

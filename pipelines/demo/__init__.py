@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from pipelines.demo.audio_chat import build_qwen2_audio
 from pipelines.demo.embedding import build_clip_model
 from pipelines.demo.llm import build_chat_model
 from pipelines.demo.tts import build_speecht5_model, build_vits_model
@@ -47,9 +48,10 @@ SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": 
           "llama": ("tiny", "small"), "qwen2": ("tiny",), "clip": ("tiny",), "llava": ("tiny",),
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
           "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",),
-          "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",)}
+          "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",), "qwen2_audio": ("tiny",)}
 VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx")  # text/image-to-video (pipelines/demo/video.py); engine family wan / ltx
 VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo/vlm.py); qwen2_vl on request
+AUDIO_CHAT_FAMILIES = ("qwen2_audio",)  # audio-language chat (pipelines/demo/audio_chat.py); engine family vlm
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
 RECIPE_VERSION = 2  # bump when a builder changes, so existing demo checkpoints are rebuilt
 
@@ -308,7 +310,9 @@ _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _b
              "whisper-tiny-en": lambda seed, scale: ConvertedWhisper(_tiny_en_source()),
              # video (pipelines/demo/video.py): Wan text-to-video, Wan 2.2-style image-to-video, LTX (both tasks)
              "wan": build_wan, "wan-i2v": lambda seed, scale: build_wan(seed, scale, image_to_video=True),
-             "ltx": build_ltx}
+             "ltx": build_ltx,
+             # audio-language chat (pipelines/demo/audio_chat.py): Qwen2-Audio, a 10 s encoder window
+             "qwen2_audio": lambda seed, scale: build_qwen2_audio(seed)}
 
 
 # Builders that install real weights (converted from an installed package); every other builder's are random.

@@ -26,6 +26,7 @@ class MediaSpan:
     length: int  # placeholder tokens = feature rows
     identity: str  # encoder weights id | processor config hash | dtype | media content hash
     features: torch.Tensor | None = None  # [length, hidden], on the runner's device; None until encoded
+    audio: bool = False  # an audio clip's span: its features come from audio_encode, not vision_encode
 
     @property
     def end(self) -> int:
@@ -38,6 +39,20 @@ class MRoPE:
 
     positions: torch.Tensor  # long [3, len(prompt_ids)]: temporal, height, width position of each prompt token
     delta: int  # a token at index p >= len(prompt_ids) has position p + delta on every axis
+
+
+def in_span_order(spans: Sequence[MediaSpan], vision: Sequence[torch.Tensor] | None,
+                  audio: Sequence[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """The two encoders' features (each in its spans' order) interleaved in prompt order; a count that does not
+    match its spans is left for attach_features to refuse."""
+    vision, audio = list(vision or ()), list(audio or ())
+    if not audio:
+        return vision or None
+    wanted = [s.audio for s in spans]
+    if wanted.count(True) != len(audio) or wanted.count(False) != len(vision):
+        return vision + audio
+    streams = {False: iter(vision), True: iter(audio)}
+    return [next(streams[a]) for a in wanted]
 
 
 def attach_features(spans: Sequence[MediaSpan], features: Sequence[torch.Tensor] | None, *, num_tokens: int,

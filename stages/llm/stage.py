@@ -19,7 +19,7 @@ import torch
 from stages.events import ErrorKind, EventKind, StageError
 from stages.llm.blocks import BlockManager, BlockTable
 from stages.llm.detokenizer import OutputText
-from stages.llm.multimodal import MediaSpan, MRoPE, attach_features
+from stages.llm.multimodal import MediaSpan, MRoPE, attach_features, in_span_order
 from stages.llm.params import SamplingParams
 from stages.llm.runner import ModelRunner
 from stages.llm.sampling import make_generator, sample
@@ -43,7 +43,7 @@ class GenerationRequest:
     # Prefix-cache identity beyond the tokens: (weights id, adapter, tenant[, media identities]). Tokens
     # after a media span depend on the media, so a prompt with media carries every media identity.
     namespace: tuple
-    media: tuple[MediaSpan, ...] = ()  # placeholder spans; features arrive from vision_encode ("features")
+    media: tuple[MediaSpan, ...] = ()  # placeholder spans; features arrive from vision_encode / audio_encode
     mrope: MRoPE | None = None  # 3-D prompt positions for M-RoPE models
     more_prompts: tuple[tuple[int, ...], ...] = ()  # a list of prompts: the ones after prompt_ids (text only)
 
@@ -88,8 +88,9 @@ class LLMStage(LoopStage):
     # -- requests in and out --------------------------------------------------------------------
     def start(self, item: WorkItem) -> None:
         req: GenerationRequest = item.inputs["request"]
-        if req.media or item.inputs.get("features"):
-            media = attach_features(req.media, item.inputs.get("features"), num_tokens=len(req.prompt_ids),
+        features = in_span_order(req.media, item.inputs.get("features"), item.inputs.get("audio_features"))
+        if req.media or features:
+            media = attach_features(req.media, features, num_tokens=len(req.prompt_ids),
                                     hidden_size=self.runner.hidden_size)
             req = dataclasses.replace(req, media=media)
         for prompt in req.prompts:  # every prompt is checked before any enters the scheduler
