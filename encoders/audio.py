@@ -18,20 +18,15 @@ from encoders.vision import EncoderAdapter, EncodeTask, Geometry, MediaItem, Pre
 
 
 class AudioAdapter(EncoderAdapter):
-    """An audio encoder: the rate its clips are decoded at and the longest clip it takes."""
-
-    sample_rate: int = 16000  # the media workers resample every clip to it
-    max_seconds: float = 30.0  # a longer clip is refused (the feature extractor would cut it silently)
-
-
-class Qwen2AudioAdapter(AudioAdapter):
-    family = "qwen2_audio"
+    """An audio encoder fed Whisper log-mel features: the rate its clips are decoded at, the longest clip it takes
+    (its window: the feature extractor would cut a longer one silently, so it is refused), the plan and the
+    features. A family gives bucket and encode."""
 
     def __init__(self, model, processor, **kwargs):
         super().__init__(model, processor, **kwargs)
         self.token_ids = {"audio": model.config.audio_token_id}
         extractor = processor.feature_extractor
-        self.sample_rate = int(extractor.sampling_rate)
+        self.sample_rate = int(extractor.sampling_rate)  # the media workers resample every clip to it
         self.hop = int(extractor.hop_length)
         self.window = int(extractor.nb_max_frames)  # feature frames of the encoder's window
         self.max_seconds = extractor.n_samples / self.sample_rate
@@ -41,7 +36,7 @@ class Qwen2AudioAdapter(AudioAdapter):
 
     def plan(self, media: MediaItem, options: dict[str, Any]) -> Geometry:
         if media.kind != "audio":
-            raise ValueError(f"{self.family} encodes audio, not {media.kind}")
+            raise ValueError(f"{self.family}'s audio encoder takes audio, not {media.kind}")
         samples = len(media.pixels)
         if samples == 0:
             raise ValueError("the audio clip is empty")
@@ -49,16 +44,20 @@ class Qwen2AudioAdapter(AudioAdapter):
             raise ValueError(f"the audio clip is {samples / self.sample_rate:.1f} s; this model's audio encoder "
                              f"takes at most {self.max_seconds:g} s")
         frames = min(math.ceil(samples / self.hop), self.window)
-        return Geometry("audio", _output_length(frames))
+        return Geometry("audio", audio_tokens(frames), audio_frames=frames)
 
     def prepare(self, task: EncodeTask) -> Prepared:
         out = self.processor.feature_extractor([task.media.pixels], sampling_rate=self.sample_rate,
                                                return_attention_mask=True, padding="max_length", return_tensors="pt")
         mask = out["attention_mask"]
-        if _output_length(int(mask.sum())) != task.geometry.num_tokens:  # the plan decided the prompt: it must hold
+        if int(mask.sum()) != task.geometry.audio_frames:  # the plan decided the prompt: it must hold
             raise ValueError(f"the feature extractor made {int(mask.sum())} frames for a clip planned as "
-                             f"{task.geometry.num_tokens} tokens")
-        return Prepared(task, {"input_features": out["input_features"], "mask": mask})  # [1, mels, frames], [1, f]
+                             f"{task.geometry.audio_frames}")
+        return Prepared(task, {"input_features": out["input_features"], "mask": mask})  # [1, mels, window], [1, w]
+
+
+class Qwen2AudioAdapter(AudioAdapter):
+    family = "qwen2_audio"
 
     def bucket(self, prepared: Prepared) -> Hashable:
         return tuple(prepared.tensors["input_features"].shape[1:])
@@ -84,6 +83,6 @@ class Qwen2AudioAdapter(AudioAdapter):
         return [projected[i, :int(n)] for i, n in enumerate(lengths.tolist())]
 
 
-def _output_length(frames: int) -> int:
+def audio_tokens(frames: int) -> int:
     """Feature rows of `frames` mel frames: the stride-2 convolution, then the 2x average pooling."""
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1

@@ -30,10 +30,12 @@ ADAPTERS = {
     "LlavaForConditionalGeneration": "encoders.llava:LlavaAdapter",
     "Qwen2VLForConditionalGeneration": "encoders.qwen2_vl:Qwen2VLAdapter",
     "Qwen2_5_VLForConditionalGeneration": "encoders.qwen2_vl:Qwen2VLAdapter",
+    "Qwen2_5OmniForConditionalGeneration": "encoders.omni:OmniVisionAdapter",
 }
 # ... and its audio input.
 AUDIO_ADAPTERS = {
     "Qwen2AudioForConditionalGeneration": "encoders.audio:Qwen2AudioAdapter",
+    "Qwen2_5OmniForConditionalGeneration": "encoders.omni:OmniAudioAdapter",
 }
 
 
@@ -64,6 +66,7 @@ class Geometry:
     num_tokens: int  # placeholder tokens in the prompt = feature rows
     grid_thw: tuple[int, int, int] | None = None  # patch grid (t, h, w) before the spatial merge (Qwen2-VL)
     second_per_grid: float | None = None  # video: seconds of video per temporal grid step (M-RoPE)
+    audio_frames: int | None = None  # audio: the clip's mel frames (Qwen2.5-Omni's M-RoPE places audio by them)
 
 
 @dataclass(frozen=True)

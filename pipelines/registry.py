@@ -29,7 +29,8 @@ SERVED = {
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(SERVED)
 # config.json `architectures` served as vision-language chat models (pipelines/vlm.py, encoders/ADAPTERS).
 VLM_ARCHITECTURES = {"LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                     "Qwen2_5_VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration"}
+                     "Qwen2_5_VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
+                     "Qwen2_5OmniForConditionalGeneration"}
 # config.json `architectures` served as embeddings (pipelines/embeddings.py): bare text encoders
 # (mean pooling) and CLIP. A sentence-transformers checkpoint (modules.json) is "embedding" whatever its architecture.
 TEXT_EMBEDDING_ARCHITECTURES = {"BertModel", "RobertaModel", "XLMRobertaModel", "MPNetModel", "DistilBertModel",

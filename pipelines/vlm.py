@@ -39,6 +39,8 @@ from stages.metrics import Metrics
 from stages.vision import AudioEncodeStage, VisionEncodeStage
 
 VLM_FAMILY = "vlm"
+# Architectures whose chat runs on a part of the checkpoint: Qwen2.5-Omni's thinker (text out).
+LOAD_AS = {"Qwen2_5OmniForConditionalGeneration": "Qwen2_5OmniThinkerForConditionalGeneration"}
 
 
 class VLMChatModel(LanguageModel):
@@ -53,7 +55,7 @@ class VLMChatModel(LanguageModel):
         self.vlm = vlm
         self.processor = transformers.AutoProcessor.from_pretrained(path)
         architecture = _architecture(path)
-        cls = getattr(transformers, architecture)
+        cls = getattr(transformers, LOAD_AS.get(architecture, architecture))
         # Paged attention for the language model only; the encoders keep their default attention.
         model = cls.from_pretrained(path, dtype=DTYPES[dtype],
                                     attn_implementation={"text_config": attention.register()})

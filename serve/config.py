@@ -119,7 +119,8 @@ CHAT_DEMO_FAMILIES = ("llama",)  # served as "llama-demo", family causal-lm (cha
 EMBEDDING_DEMO_FAMILIES = ("clip", "minilm")
 # Vision- and audio-language chat (pipelines/demo/vlm.py, audio_chat.py): demo family -> served name; engine family
 # "vlm".
-VLM_DEMO_NAMES = {"llava": "llava-demo", "qwen2_5_vl": "qwen-vl-demo", "qwen2_audio": "qwen2-audio-demo"}
+VLM_DEMO_NAMES = {"llava": "llava-demo", "qwen2_5_vl": "qwen-vl-demo", "qwen2_audio": "qwen2-audio-demo",
+                  "qwen2_5_omni": "omni-demo"}  # omni-demo: the Qwen2.5-Omni thinker (text out)
 # Text to speech (pipelines/demo/tts.py): "vits-demo" and "speecht5-demo"; the engine family is the demo family.
 TTS_DEMO_FAMILIES = ("vits", "speecht5")
 DEMO_FAMILIES = IMAGE_DEMO_FAMILIES + CHAT_DEMO_FAMILIES + EMBEDDING_DEMO_FAMILIES + tuple(VLM_DEMO_NAMES)

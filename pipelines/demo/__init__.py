@@ -37,6 +37,7 @@ import torch
 from pipelines.demo.audio_chat import build_qwen2_audio
 from pipelines.demo.embedding import build_clip_model
 from pipelines.demo.llm import build_chat_model
+from pipelines.demo.omni import build_qwen2_5_omni
 from pipelines.demo.tts import build_speecht5_model, build_vits_model
 from pipelines.demo.video import build_ltx, build_wan
 from pipelines.demo.vlm import build_llava, build_qwen2_5_vl
@@ -48,10 +49,10 @@ SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": 
           "llama": ("tiny", "small"), "qwen2": ("tiny",), "clip": ("tiny",), "llava": ("tiny",),
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
           "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",),
-          "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",), "qwen2_audio": ("tiny",)}
+          "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",), "qwen2_audio": ("tiny",), "qwen2_5_omni": ("tiny",)}
 VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx")  # text/image-to-video (pipelines/demo/video.py); engine family wan / ltx
 VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo/vlm.py); qwen2_vl on request
-AUDIO_CHAT_FAMILIES = ("qwen2_audio",)  # audio-language chat (pipelines/demo/audio_chat.py); engine family vlm
+AUDIO_CHAT_FAMILIES = ("qwen2_audio", "qwen2_5_omni")  # audio-language chat (pipelines/demo/audio_chat.py, omni.py)
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
 RECIPE_VERSION = 2  # bump when a builder changes, so existing demo checkpoints are rebuilt
 
@@ -312,7 +313,9 @@ _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _b
              "wan": build_wan, "wan-i2v": lambda seed, scale: build_wan(seed, scale, image_to_video=True),
              "ltx": build_ltx,
              # audio-language chat (pipelines/demo/audio_chat.py): Qwen2-Audio, a 10 s encoder window
-             "qwen2_audio": lambda seed, scale: build_qwen2_audio(seed)}
+             "qwen2_audio": lambda seed, scale: build_qwen2_audio(seed),
+             # Qwen2.5-Omni (pipelines/demo/omni.py): thinker, talker, token2wav and its speakers
+             "qwen2_5_omni": lambda seed, scale: build_qwen2_5_omni(seed)}
 
 
 # Builders that install real weights (converted from an installed package); every other builder's are random.
