@@ -105,6 +105,24 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens
     logprobs: bool | None = None  # per-token log-probabilities in choices[].logprobs.content
     top_logprobs: int | None = None  # alternatives per position; needs logprobs=true
+    modalities: list[str] | None = None  # OpenAI's output kinds: ["text"] (the default) or ["text", "audio"]
+    audio: dict[str, Any] | None = None  # OpenAI's audio output options {voice, format}: with "audio" modalities
+
+    def check_modalities(self, model: str) -> None:
+        """Text out only, for now: speech out ("audio" in modalities, an `audio` object) is refused naming the
+        field, before any work."""
+        modalities = self.modalities or ["text"]
+        unknown = [m for m in modalities if m not in ("text", "audio")]
+        if unknown or "text" not in modalities:
+            raise RequestError("modalities", f"modalities must be [\"text\"] or [\"text\", \"audio\"]; got "
+                               f"{self.modalities}")
+        if "audio" in modalities:
+            raise RequestError("modalities", f"model {model} does not speak: audio output needs a model with a "
+                               "speech decoder (Qwen2.5-Omni's talker, not served yet); ask for [\"text\"]",
+                               code="unsupported_modality")
+        if self.audio is not None:
+            raise RequestError("audio", "audio (the voice and format of spoken output) needs modalities "
+                               "[\"text\", \"audio\"]")
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is None:

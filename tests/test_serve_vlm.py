@@ -174,6 +174,21 @@ def test_errors_name_the_field(client):
     assert err.body["param"] == "messages[0].content[0].input_audio.data"
     err = bad_request(client, "llama-demo", audio)  # a text model reads text parts only
     assert err.body["param"] == "messages[0].content[0]" and "text" in err.message
+
+
+def test_speech_out_is_refused_naming_the_field(client):
+    """modalities ["text", "audio"]: no served model speaks yet (Qwen2.5-Omni's talker is not served); text-only
+    modalities work."""
+    cases = (({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+             ({"modalities": ["audio"]}, "modalities"), ({"audio": {"voice": "x"}}, "audio"))
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="qwen2-audio-demo", messages=[{"role": "user", "content": "hi"}],
+                                           **dict(GREEDY, extra_body=extra))
+        assert err.value.body["param"] == param, (extra, err.value.body)
+    reply = client.chat.completions.create(model="qwen2-audio-demo", messages=[{"role": "user", "content": "hi"}],
+                                           modalities=["text"], **GREEDY)
+    assert reply.usage.completion_tokens == 8
     three = [{"role": "user", "content": image_message(png(2))[0]["content"][:1] * 3}]
     err = bad_request(client, "llava-demo", three)
     assert err.body["param"] == "messages[0].content[2].image_url" and "max_images" in err.message

@@ -28,6 +28,7 @@ CHAT_TASK = "chat"  # ModelInfo.tasks of a causal LM
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
     model = resolve_chat_model(engine, body.model)
+    body.check_modalities(model)
     params = body.sampling_params()  # the model checks its token ids against the vocabulary, once
     reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model, engine.chat_model(model).token_texts(), params,
                       include_usage=body.include_usage)
