@@ -30,6 +30,7 @@ class ChatRequest:
     prompts: list[str | list[int]] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"  # enters the prefix-cache namespace
+    speech: Any = None  # pipelines.omni.SpeechOutput: the reply spoken too (a model with a talker); None: text only
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class LanguageModel:
             prompts = [self._checked_ids(self._completion_ids(p, f"prompt[{i}]"), f"prompt[{i}]")
                        for i, p in enumerate(request.prompts)]
         return GenerationRequest(prompts[0], request.params, (self.weights_id, None, request.tenant),
-                                 more_prompts=tuple(prompts[1:]))
+                                 more_prompts=tuple(prompts[1:]), keep_hidden=request.speech is not None)
 
     def _checked_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
         if not ids:

@@ -278,6 +278,10 @@ class ServedChat:
         return (("llm", self.model.stage, None),)
 
     def execution(self, request: ChatRequest) -> Execution:
+        if request.speech is not None:
+            raise RequestError("modalities", f"model {self.name} does not speak: audio output needs a model with a "
+                               "speech decoder (a Qwen2.5-Omni with its talker); ask for [\"text\"]",
+                               code="unsupported_modality")
         return Execution(chain(self.name, "llm"), {"request": self.model.generation_request(request)})
 
     def warm(self, engine: Engine) -> None:
@@ -300,6 +304,7 @@ class ServedVLM(ServedChat):
         assert isinstance(model, VLMChatModel)
         kinds = (["vision-chat"] if "image" in model.accepts else []) + (["audio-chat"] if "audio" in model.accepts
                                                                             else [])
+        kinds += ["spoken-chat"] if model.voice is not None else []
         self.info = dataclasses.replace(self.info, tasks=("chat", *kinds))
 
     def _load(self, spec: ModelSpec, ctx: LoadContext) -> LanguageModel:
@@ -314,8 +319,44 @@ class ServedVLM(ServedChat):
         assert isinstance(model, VLMChatModel)
         decode = MediaDecodeStage(self.name, self.ctx.media, decode_chat_media(model, self.ctx.media_config),
                                   self.finalize)
+        speech = ()
+        if model.voice is not None:
+            from pipelines.omni import TalkerStage, Token2WavStage
+
+            speech = (("talker", TalkerStage(self.name, model.voice), None),
+                      ("token2wav", Token2WavStage(self.name, model.voice), None))
         return (("media_decode", decode, self.ctx.media_pool),
-                *((kind, stage, None) for kind, stage in model.encode_stages.items()), ("llm", model.stage, None))
+                *((kind, stage, None) for kind, stage in model.encode_stages.items()), ("llm", model.stage, None),
+                *speech)
+
+    def check_speech(self, request: ChatRequest) -> None:
+        """A spoken reply needs this model's talker and one of its voices; RequestErrors name the field."""
+        model = self.model
+        assert isinstance(model, VLMChatModel)
+        if request.speech is None:
+            return
+        if model.voice is None:
+            raise RequestError("modalities", f"model {self.name} does not speak: audio output needs a model with a "
+                               "speech decoder (a Qwen2.5-Omni with its talker); ask for [\"text\"]",
+                               code="unsupported_modality")
+        if request.speech.voice not in model.voice.voices:
+            raise RequestError("audio.voice", f"model {self.name} has no voice {request.speech.voice!r}; voices: "
+                               f"{list(model.voice.voices)}")
+        if request.params.n != 1:
+            raise RequestError("n", "a spoken reply is one choice (n = 1)")
+
+    def execution(self, request: ChatRequest) -> Execution:
+        self.check_speech(request)
+        generation = self.model.generation_request(request)
+        if request.speech is None:
+            return Execution(chain(self.name, "llm"), {"request": generation})
+        nodes = (Node("llm", f"{self.name}/llm"), *self._speech_nodes(()))
+        return Execution(StageGraph(nodes, "token2wav"), {"request": generation, "speech": request.speech})
+
+    def _speech_nodes(self, before: tuple[str, ...]) -> tuple[Node, ...]:
+        """The talker after the thinker's reply (and the node that planned the prompt's media), token2wav after it."""
+        return (Node("talker", f"{self.name}/talker", (*before, "llm")),
+                Node("token2wav", f"{self.name}/token2wav", ("llm", "talker")))
 
     def execution_with_media(self, request: ChatRequest, parsed: ParsedChat, sources: list[bytes]) -> Execution:
         """A request with media parts, its sources fetched: media_decode -> the encoders its parts need
@@ -325,11 +366,15 @@ class ServedVLM(ServedChat):
         assert isinstance(model, VLMChatModel)
         needed = {"audio_encode" if part.kind == "audio" else "vision_encode" for part in parsed.media}
         encoders = [kind for kind in model.encode_stages if kind in needed]
+        self.check_speech(request)
         nodes = (Node("media_decode", f"{self.name}/media_decode"),
                  *(Node(kind, f"{self.name}/{kind}", ("media_decode",)) for kind in encoders),
                  Node("llm", f"{self.name}/llm", ("media_decode", *encoders)))
-        return Execution(StageGraph(nodes, "llm"), {"request": request,
-                                                     "decode": DecodeChatMedia(parsed, tuple(sources))})
+        inputs = {"request": request, "decode": DecodeChatMedia(parsed, tuple(sources))}
+        if request.speech is None:
+            return Execution(StageGraph(nodes, "llm"), inputs)
+        return Execution(StageGraph((*nodes, *self._speech_nodes(("media_decode",))), "token2wav"),
+                         {**inputs, "speech": request.speech})
 
     def finalize(self, request: ChatRequest, decoded) -> dict[str, Any]:
         """The prompt with every placeholder expanded, checked against the context (media_decode calls it), and

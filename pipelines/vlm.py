@@ -41,6 +41,7 @@ from stages.vision import AudioEncodeStage, VisionEncodeStage
 VLM_FAMILY = "vlm"
 # Architectures whose chat runs on a part of the checkpoint: Qwen2.5-Omni's thinker (text out).
 LOAD_AS = {"Qwen2_5OmniForConditionalGeneration": "Qwen2_5OmniThinkerForConditionalGeneration"}
+SPEAKING = ("Qwen2_5OmniForConditionalGeneration",)  # ... and whose talker speaks the reply (pipelines/omni.py)
 
 
 class VLMChatModel(LanguageModel):
@@ -78,6 +79,12 @@ class VLMChatModel(LanguageModel):
             raise ValueError(f"no vision or audio adapter for {architecture!r}; supported: "
                              f"{sorted({**ADAPTERS, **AUDIO_ADAPTERS})}")
         self.mrope = next((a for a in self.adapters.values() if a.uses_mrope), None)
+        self.voice = None  # a Qwen2.5-Omni's talker and token2wav: the reply can be spoken
+        if architecture in SPEAKING and getattr(transformers.AutoConfig.from_pretrained(path), "enable_audio_output",
+                                                False):
+            from pipelines.omni import OmniVoice
+
+            self.voice = OmniVoice(path, model, device=device)
         runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
                              kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
                              mrope=self.mrope is not None)
@@ -168,7 +175,8 @@ class VLMChatModel(LanguageModel):
         namespace = (self.weights_id, None, request.tenant, tuple(t.identity for t in tasks))
         by_node = {kind: tuple(t for t in tasks if (t.geometry.kind == "audio") == (kind == "audio_encode"))
                    for kind in self.encode_stages}
-        return GenerationRequest(tuple(prompt), request.params, namespace, tuple(spans), mrope), \
+        return GenerationRequest(tuple(prompt), request.params, namespace, tuple(spans), mrope,
+                                 keep_hidden=request.speech is not None), \
             {kind: found for kind, found in by_node.items() if found}
 
     def _render(self, parsed: ParsedChat, media: list[list[MediaItem]]) -> list[int]:

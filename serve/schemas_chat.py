@@ -98,6 +98,10 @@ class SamplingFields(BaseModel):
         return params
 
 
+# OpenAI's chat audio.format values -> stages.media.audio_encode formats
+SPOKEN_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "aac": "aac", "pcm16": "pcm"}
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -108,21 +112,44 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None  # OpenAI's output kinds: ["text"] (the default) or ["text", "audio"]
     audio: dict[str, Any] | None = None  # OpenAI's audio output options {voice, format}: with "audio" modalities
 
-    def check_modalities(self, model: str) -> None:
-        """Text out only, for now: speech out ("audio" in modalities, an `audio` object) is refused naming the
-        field, before any work."""
+    def speech_output(self, model: str, speaks: bool):
+        """The spoken reply asked for (pipelines.omni.SpeechOutput), or None for text only. RequestErrors name the
+        field: modalities beyond ["text", "audio"], audio output from a model that does not speak, an `audio`
+        object without the audio modality, a format we cannot write, streaming with audio (not yet)."""
+        import secrets
+
+        from pipelines.omni import SpeechOutput
+
         modalities = self.modalities or ["text"]
-        unknown = [m for m in modalities if m not in ("text", "audio")]
-        if unknown or "text" not in modalities:
+        if any(m not in ("text", "audio") for m in modalities) or "text" not in modalities:
             raise RequestError("modalities", f"modalities must be [\"text\"] or [\"text\", \"audio\"]; got "
                                f"{self.modalities}")
-        if "audio" in modalities:
+        if "audio" not in modalities:
+            if self.audio is not None:
+                raise RequestError("audio", "audio (the voice and format of spoken output) needs modalities "
+                                   "[\"text\", \"audio\"]")
+            return None
+        if not speaks:
             raise RequestError("modalities", f"model {model} does not speak: audio output needs a model with a "
-                               "speech decoder (Qwen2.5-Omni's talker, not served yet); ask for [\"text\"]",
+                               "speech decoder (a Qwen2.5-Omni with its talker); ask for [\"text\"]",
                                code="unsupported_modality")
-        if self.audio is not None:
-            raise RequestError("audio", "audio (the voice and format of spoken output) needs modalities "
-                               "[\"text\", \"audio\"]")
+        audio = self.audio or {}
+        unknown = sorted(set(audio) - {"voice", "format"})
+        if unknown:
+            raise RequestError("audio", f"audio has unknown field(s) {unknown}; allowed: ['voice', 'format']")
+        if not isinstance(audio.get("voice"), str):
+            raise RequestError("audio.voice", "audio.voice must name one of the model's voices")
+        if audio.get("format", "wav") not in SPOKEN_FORMATS:
+            raise RequestError("audio.format", f"audio.format must be one of {list(SPOKEN_FORMATS)}; got "
+                               f"{audio.get('format')!r}")
+        if self.stream:
+            raise RequestError("stream", "streaming a spoken reply is not supported yet; send stream=false (the "
+                               "audio comes whole, with its transcript)")
+        return SpeechOutput(audio["voice"], self.seed if self.seed is not None else secrets.randbits(31))
+
+    @property
+    def audio_format(self) -> str:
+        return (self.audio or {}).get("format", "wav")
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import shutil
 import subprocess
 import time
@@ -160,61 +159,3 @@ def test_text_parts_still_work_and_the_model_lists_audio_chat(engine):
     reply = ask(engine, [{"role": "user", "content": "hello"}]).result(timeout=60)
     assert len(tokens(reply)) == 8
     assert engine.models["m"].tasks == ("chat", "audio-chat")
-
-
-@pytest.fixture(scope="module")
-def omni_path(tmp_path_factory):
-    from pipelines.demo import build_demo_model
-
-    return str(build_demo_model("qwen2_5_omni", tmp_path_factory.mktemp("omni") / "omni"))
-
-
-def omni_reference(path, clip: np.ndarray, image, question: str, n: int = 12) -> list[int]:
-    """The Qwen2.5-Omni thinker's generate() on its processor's inputs (the text the full model writes too)."""
-    from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
-
-    thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path).eval()
-    processor = AutoProcessor.from_pretrained(path)
-    content = [{"type": "audio", "audio": clip}, {"type": "image", "image": image}, {"type": "text", "text": question}]
-    inputs = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True, return_tensors="pt")
-    with torch.inference_mode():
-        out = thinker.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
-def test_omni_thinker_reads_audio_image_and_text_in_one_message(omni_path):
-    """Qwen2.5-Omni's thinker: audio and image parts in one message, each through its encoder stage (both nodes
-    run), positions from the thinker's own M-RoPE; the text equals generate(), alone and batched."""
-    from PIL import Image
-
-    from stages.media.audio import decode_audio
-
-    rng = np.random.default_rng(0)
-    clips = [wav_bytes(0.1 * rng.standard_normal(n)) for n in (16000, 24000)]
-    images = [Image.fromarray((rng.random((32, 48, 3)) * 255).astype(np.uint8)) for _ in clips]
-    pngs = []
-    for image in images:
-        out = io.BytesIO()
-        image.save(out, format="PNG")
-        pngs.append(out.getvalue())
-    questions = ("What do you hear and see?", "Describe both.")
-    want = [omni_reference(omni_path, np.array(decode_audio(c, sample_rate=16000).samples), im, q)
-            for c, im, q in zip(clips, images, questions)]
-
-    def content(clip, png, question):
-        return [{"role": "user", "content": [
-            {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
-            {"type": "text", "text": question}]}]
-
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with running_engine(omni_path, family="vlm") as eng:
-        assert tokens(ask(eng, content(clips[0], pngs[0], questions[0]), params).result(timeout=60)) == want[0]
-        handles = [ask(eng, content(c, p, q), params) for c, p, q in zip(clips, pngs, questions)]
-        assert [tokens(h.result(timeout=60)) for h in handles] == want
-        for node in ("audio_encode", "vision_encode"):
-            ran = eng.metrics.registry.get_sample_value("mmserve_graph_nodes_total",
-                                                        {"model": "m", "node": node, "stage": f"m/{node}"})
-            assert ran == 3, (node, ran)
-        assert eng.models["m"].tasks == ("chat", "vision-chat", "audio-chat")

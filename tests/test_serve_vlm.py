@@ -50,7 +50,8 @@ def paths(tmp_path_factory):
     return {"llava-demo": build_demo_model("llava", root / "llava"),
             "qwen-vl-demo": build_demo_model("qwen2_5_vl", root / "qwen"),
             "llama-demo": build_demo_model("llama", root / "llama"),
-            "qwen2-audio-demo": build_demo_model("qwen2_audio", root / "qwen2_audio"), "root": root}
+            "qwen2-audio-demo": build_demo_model("qwen2_audio", root / "qwen2_audio"),
+            "omni-demo": build_demo_model("qwen2_5_omni", root / "omni"), "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ path = "{paths[name]}"
 kv_cache_mb = 8
 block_size = 4
 """ + ("" if name == "llama-demo" else "[models.vlm]\nmax_images = 2\n")
-                     for name in ("llava-demo", "qwen-vl-demo", "llama-demo", "qwen2-audio-demo"))
+                     for name in ("llava-demo", "qwen-vl-demo", "llama-demo", "qwen2-audio-demo", "omni-demo"))
     srv = Server(paths["root"], models)
     yield srv
     srv.stop()
@@ -119,9 +120,9 @@ def test_video_chat(client):
         assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
 
 
-def bad_request(client, model: str, messages) -> openai.BadRequestError:
+def bad_request(client, model: str, messages, **extra) -> openai.BadRequestError:
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=model, messages=messages, **GREEDY)
+        client.chat.completions.create(model=model, messages=messages, **GREEDY, **extra)
     return err.value
 
 
@@ -204,3 +205,42 @@ def test_remote_image_url_is_fetched_under_the_policy(server):
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/cat.png"}}]}]}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].image_url.url"
+
+
+def test_a_spoken_reply_through_the_openai_client(client, paths):
+    """modalities ["text", "audio"] on the omni model: message.audio holds a WAV (decoded with PyAV) equal to
+    transformers' generate() for the same seed, up to 16-bit rounding, and its transcript is the reply's text."""
+    import av
+    from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
+
+    from pipelines.demo.omni import TALKER_EOS
+
+    messages = [{"role": "user", "content": "Say something nice."}]
+    path = paths["omni-demo"]
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    torch.manual_seed(5)
+    ids, wav = model.generate(**inputs, speaker="Ethan", thinker_max_new_tokens=12, talker_eos_token_id=TALKER_EOS)
+    text = processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    reply = client.chat.completions.create(model="omni-demo", messages=messages, modalities=["text", "audio"],
+                                           audio={"voice": "Ethan", "format": "wav"}, temperature=0, max_tokens=12,
+                                           seed=5)
+    message = reply.choices[0].message
+    assert message.content is None and message.audio.transcript == text and message.audio.id
+    with av.open(io.BytesIO(base64.b64decode(message.audio.data))) as container:
+        stream = container.streams.audio[0]
+        assert stream.rate == 24000
+        samples = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(stream)])
+    got = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
+    np.testing.assert_allclose(got, wav.numpy(), rtol=0, atol=1e-4)
+    for extra, param in (({"modalities": ["text", "audio"], "audio": {"voice": "Nobody"}}, "audio.voice"),
+                         ({"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "ogg"}},
+                          "audio.format")):
+        err = bad_request(client, "omni-demo", messages, **extra)
+        assert err.body["param"] == param, err.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="omni-demo", messages=messages, modalities=["text", "audio"],
+                                       audio={"voice": "Ethan", "format": "wav"}, stream=True)
+    assert info.value.body["param"] == "stream"

@@ -7,6 +7,9 @@ when Starlette cancels or closes its generator; the llm stage drops the request 
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import time
 import uuid
 from typing import Any, AsyncIterator
 
@@ -17,25 +20,46 @@ from pipelines.chat import ChatRequest
 from serve.auth import tenant_of
 from serve.models import resolve_model
 from serve.responses import event_stream, result_or_cancel
-from serve.schemas_chat import ChatCompletionRequest, ChatReply, CompletionReply, CompletionRequest, TextReply
+from serve.routes.speech import _encode_file
+from serve.schemas_chat import (
+    SPOKEN_FORMATS,
+    ChatCompletionRequest,
+    ChatReply,
+    CompletionReply,
+    CompletionRequest,
+    TextReply,
+)
 from stages.request_state import RequestHandle
 
 router = APIRouter()
 CHAT_TASK = "chat"  # ModelInfo.tasks of a causal LM
+SPOKEN_TASK = "spoken-chat"  # ... of a chat model that can speak its reply (modalities ["text", "audio"])
+AUDIO_TTL_S = 3600  # message.audio.expires_at: we keep no audio for follow-up turns; the client holds it
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
     model = resolve_chat_model(engine, body.model)
-    body.check_modalities(model)
+    speech = body.speech_output(model, SPOKEN_TASK in engine.models[model].tasks)
     params = body.sampling_params()  # the model checks its token ids against the vocabulary, once
     reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model, engine.chat_model(model).token_texts(), params,
                       include_usage=body.include_usage)
     # Image and video parts are fetched and decoded (media workers) before the request is admitted.
-    handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant),
-                                       request_id=reply.id)
-    return await respond(request, handle, reply, stream=body.stream)
+    handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant,
+                                                          speech=speech), request_id=reply.id)
+    if speech is None:
+        return await respond(request, handle, reply, stream=body.stream)
+    outputs = await result_or_cancel(request, handle)
+    data = await asyncio.to_thread(_encode_file, engine, outputs["audio"].numpy(), outputs["sample_rate"],
+                                   SPOKEN_FORMATS[body.audio_format])
+    payload = reply.body(outputs)
+    message = payload["choices"][0]["message"]
+    # OpenAI's shape: the words are the audio's transcript, the content null.
+    message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
+                        "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": message["content"]}
+    message["content"] = None
+    return JSONResponse(payload, headers={"x-request-id": handle.request_id})
 
 
 @router.post("/v1/completions")

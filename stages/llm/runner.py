@@ -84,7 +84,7 @@ class ModelRunner:
                 cache[dst].copy_(cache[src])
         chunks = plan.chunks
         if self.decode_graphs is not None and all(len(c.token_ids) == 1 and c.sample and not c.seq.media
-                                                  for c in chunks):
+                                                  and c.seq.hidden is None for c in chunks):
             return self.decode_graphs(self._decode_inputs(chunks))
         dev = self.device
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=dev)
@@ -117,6 +117,12 @@ class ModelRunner:
             positions = positions[None]
         hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
                               paged=meta).last_hidden_state[0]  # [T, H]
+        row = 0
+        for c in chunks:  # sequences that keep their hidden states (a speech decoder reads them); a re-prefill
+            if c.seq.hidden is not None:  # after preemption overwrites from its start
+                del c.seq.hidden[c.start:]
+                c.seq.hidden.extend(hidden[row:row + len(c.token_ids)].float().cpu().unbind(0))
+            row += len(c.token_ids)
         last = torch.tensor([int(meta.query_start_loc[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample],
                             dtype=torch.long, device=dev)
         logits = self.model.get_output_embeddings()(hidden[last]).float()

@@ -35,6 +35,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # per output token, when asked
     media: tuple = ()  # MediaSpans with features: spliced into the prompt's embeddings at every (re)prefill
     mrope: Any = None  # MRoPE positions of the prompt (Qwen2-VL-style models), else None
+    hidden: list | None = None  # kept last hidden states, one per computed token (GenerationRequest.keep_hidden)
 
     @property
     def token_ids(self) -> list[int]:

@@ -46,10 +46,15 @@ class GenerationRequest:
     media: tuple[MediaSpan, ...] = ()  # placeholder spans; features arrive from vision_encode / audio_encode
     mrope: MRoPE | None = None  # 3-D prompt positions for M-RoPE models
     more_prompts: tuple[tuple[int, ...], ...] = ()  # a list of prompts: the ones after prompt_ids (text only)
+    # A speech decoder reads the model's last hidden state at every prompt token and every fed reply token
+    # (Qwen2.5-Omni's talker): the sequence keeps them, and `finish` hands them on as choices[0]["hidden"].
+    keep_hidden: bool = False
 
     def __post_init__(self):
         if self.more_prompts and (self.media or self.mrope is not None):
             raise ValueError("a list of prompts is text only (no media, no M-RoPE positions)")
+        if self.keep_hidden and (self.more_prompts or self.params.n != 1):
+            raise ValueError("keep_hidden is for one prompt and one choice")
 
     @property
     def prompts(self) -> tuple[tuple[int, ...], ...]:
@@ -125,6 +130,9 @@ class LLMStage(LoopStage):
         firsts = [s for s in seqs if s.index % n == 0]  # one per prompt: its cached count is the prompt's
         choices = [{"index": s.index, "text": s.output.text, "token_ids": list(s.output_ids),
                     "finish_reason": s.finish_reason, "logprobs": s.logprobs or None} for s in seqs]
+        for choice, s in zip(choices, seqs):
+            if s.hidden is not None:  # [prompt + fed reply tokens, H]: the last sampled token was never fed
+                choice["hidden"] = torch.stack(s.hidden)
         usage = {"prompt_tokens": sum(len(s.prompt_ids) for s in firsts),
                  "completion_tokens": sum(len(s.output_ids) for s in seqs),
                  "cached_tokens": sum(s.num_cached_tokens for s in firsts)}
@@ -214,9 +222,13 @@ class LLMStage(LoopStage):
     # -- sequences ----------------------------------------------------------------------------
     def _new_seq(self, req: GenerationRequest, prompt_ids: tuple[int, ...], index: int,
                  generator: torch.Generator) -> Sequence:
-        seq = Sequence(seq_id=next(self._ids), index=index, prompt_ids=list(prompt_ids), params=req.params,
-                       namespace=req.namespace, generator=generator, arrival=time.monotonic(), media=req.media,
-                       mrope=req.mrope)
+        seq_id = next(self._ids)
+        # A sequence that keeps its hidden states computes every token: a namespace of its own, so no cached
+        # prefix stands in for a prompt token whose state it needs.
+        namespace = (*req.namespace, ("keep_hidden", seq_id)) if req.keep_hidden else req.namespace
+        seq = Sequence(seq_id=seq_id, index=index, prompt_ids=list(prompt_ids), params=req.params,
+                       namespace=namespace, generator=generator, arrival=time.monotonic(), media=req.media,
+                       mrope=req.mrope, hidden=[] if req.keep_hidden else None)
         seq.output = OutputText(self.tokenizer, prompt_ids, req.params.stop)
         return seq
 
