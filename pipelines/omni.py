@@ -13,6 +13,7 @@ own); the talker starts once the thinker's reply is complete (no streaming edge 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -21,6 +22,10 @@ import torch
 from stages.stage import Stage, WorkItem
 
 SAMPLE_RATE = 24000  # token2wav's output
+# The talker samples and token2wav draws its noise from torch's global generator (transformers passes no
+# generator): each request sets the global state to its own stream, draws, and restores it, holding this lock,
+# so the talker and token2wav workers of different requests never interleave their draws.
+_GLOBAL_RNG = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class OmniVoice:
         videos = [g for g in geometries if g.kind == "video"]
         audios = [g.audio_frames for g in geometries if g.kind == "audio"]
         eos = [talker.codec_pad_token, talker.codec_eos_token]
-        with torch.random.fork_rng(devices=[]):
+        with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
             torch.set_rng_state(generator_state)
             out = talker.generate(
                 input_ids=input_ids, input_text_ids=text_ids,
@@ -107,7 +112,7 @@ class OmniVoice:
         if not codes:
             return torch.zeros(0)
         spk = self.speakers[speaker]
-        with torch.random.fork_rng(devices=[]):
+        with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
             torch.set_rng_state(generator_state)
             wav = self.token2wav(torch.tensor([codes], device=self.device), conditioning=spk["cond"].to(
                 self.device).float(), reference_mel=spk["ref_mel"].to(self.device).float())

@@ -139,3 +139,14 @@ def test_parallel_benchmark_prints_speed_ups():
             assert re.search(rf"{mode} rank {rank}: step +\d+\.\d+ ms, collective +\d+\.\d+ ms .*2 forwards",
                              run.stdout), run.stdout
     assert len(re.findall(r"round 1 .*: image +\d+\.\d+ ms", run.stdout)) == 4, run.stdout  # every run is printed
+
+
+def test_omni_benchmark_prints_the_ratio():
+    """examples/bench_omni.py tiny: every run, the equality check of round 1 and the throughput ratio."""
+    run = subprocess.run([sys.executable, "examples/bench_omni.py", "--requests", "2", "--rounds", "1",
+                          "--tokens", "6"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    runs = re.findall(r"round 1 (mmserve|transformers) +2 spoken replies +\d+\.\d+ ms", run.stdout)
+    assert len(runs) == 2, run.stdout
+    assert "round 1: mmserve's text and audio equal transformers'" in run.stdout, run.stdout
+    assert re.search(r"throughput 2 concurrent: mmserve .* ratio \d+\.\d+x", run.stdout), run.stdout

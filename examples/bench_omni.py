@@ -1,0 +1,124 @@
+"""Benchmark: spoken replies from Qwen2.5-Omni, mmserve against transformers' generate(), side by side.
+
+    python examples/bench_omni.py [--checkpoint OMNI_DIR] [--requests 8] [--tokens 24] [--rounds 3]
+
+One run is --requests spoken chat requests (text in, text + 24 kHz audio out, greedy thinker, each its own
+seed and prompt):
+
+  mmserve       all submitted at once to an engine serving the checkpoint: the thinker's steps batch across
+                the requests (the llm stage), then each request's talker and token2wav.
+  transformers  Qwen2_5OmniForConditionalGeneration.generate(), one request after another (torch.manual_seed
+                before each), as a script serving them would.
+
+Both sides are warmed with one run first; then --rounds rounds, the side that goes first alternating. Every run
+is printed with the load average, then the medians and the throughput ratio (transformers' time / mmserve's).
+Time to first audio is not measured apart: the talker does not start before its thinker's reply ends and audio
+is not streamed yet, so a request's first audio is its whole audio. The first round checks that both sides
+made the same text and waveforms (same seeds). Without --checkpoint the demo Qwen2.5-Omni (random weights) is
+built in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: pipelines/, stages/
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPTS = ("Say something nice.", "Tell me a story.", "What is the weather like?", "Count to five.",
+           "Name a color.", "Describe a cat.", "Sing a song.", "Good morning!")
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", help="a Qwen2.5-Omni checkpoint with its talker (default: the demo, random weights)")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=24, help="text tokens per reply (the thinker's max_tokens)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--voice", default=None, help="a speaker of the checkpoint (default: its first)")
+    args = p.parse_args()
+
+    import torch
+    from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
+
+    from pipelines.chat import ChatRequest
+    from pipelines.config import EngineConfig, ModelSpec
+    from pipelines.engine import Engine
+    from pipelines.omni import SpeechOutput
+    from stages.llm.params import SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.checkpoint
+        if path is None:
+            from pipelines.demo import build_demo_model
+
+            path = str(build_demo_model("qwen2_5_omni", Path(tmp) / "omni"))
+        model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
+        processor = AutoProcessor.from_pretrained(path)
+        voice = args.voice or next(iter(model.speaker_map))
+        eos = [model.talker.codec_pad_token, model.talker.codec_eos_token]
+        requests = [([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], 100 + i) for i in range(args.requests)]
+        engine = Engine(EngineConfig(models=(ModelSpec("omni", path, family="vlm"),)))
+        engine.start()
+        try:
+            def ours() -> tuple[float, list]:
+                started = time.perf_counter()
+                handles = [engine.submit_chat("omni", ChatRequest(
+                    messages=m, params=SamplingParams(temperature=0, max_tokens=args.tokens),
+                    speech=SpeechOutput(voice, seed))) for m, seed in requests]
+                results = [h.result(timeout=600) for h in handles]
+                return time.perf_counter() - started, results
+
+            def theirs() -> tuple[float, list]:
+                started = time.perf_counter()
+                results = []
+                for messages, seed in requests:
+                    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True, return_tensors="pt")
+                    torch.manual_seed(seed)
+                    with torch.inference_mode():
+                        ids, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=args.tokens,
+                                                  talker_eos_token_id=eos)
+                    results.append((ids[0, inputs["input_ids"].shape[1]:].tolist(), wav))
+                return time.perf_counter() - started, results
+
+            ours()
+            theirs()  # warm both
+            times: dict[str, list[float]] = {"mmserve": [], "transformers": []}
+            for r in range(args.rounds):
+                order = ("mmserve", "transformers") if r % 2 == 0 else ("transformers", "mmserve")
+                for side in order:
+                    if side == "mmserve":
+                        took, mine = ours()
+                    else:
+                        took, reference = theirs()
+                    times[side].append(took)
+                    print(f"round {r + 1} {side:12s} {args.requests} spoken replies {took * 1000:9.1f} ms   "
+                          f"(load {load()})")
+                if r == 0:
+                    same = all(m["choices"][0]["token_ids"] == ids and m["audio"].shape == wav.shape
+                               and bool(torch.allclose(m["audio"], wav, atol=1e-5))
+                               for m, (ids, wav) in zip(mine, reference))
+                    print(f"round 1: mmserve's text and audio {'equal' if same else 'DIFFER from'} transformers'")
+            audio_s = sum(len(m["audio"]) for m in mine) / 24000
+            ours_med, theirs_med = statistics.median(times["mmserve"]), statistics.median(times["transformers"])
+            print(f"\nmedians over {args.rounds} rounds (load {load()}), {audio_s:.2f} s of audio a run:")
+            print(f"  throughput {args.requests} concurrent: mmserve {ours_med * 1000:.1f} ms, transformers one after "
+                  f"another {theirs_med * 1000:.1f} ms   ratio {theirs_med / ours_med:.2f}x")
+            print("  time to first audio / whole run: 1.00 (no streamed audio yet: a request's audio comes whole)")
+        finally:
+            engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
