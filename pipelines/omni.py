@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -60,8 +60,16 @@ class OmniVoice:
 
     @torch.inference_mode()
     def codes(self, prompt_ids: list[int], reply_ids: list[int], hidden: torch.Tensor, geometries: list,
-              speaker: str, generator_state: torch.Tensor, max_codes: int) -> tuple[list[int], torch.Tensor]:
-        """The talker's codes for one reply, and the RNG state after them (token2wav continues the stream)."""
+              speaker: str, generator_state: torch.Tensor, max_codes: int,
+              stop: Callable[[], bool] = lambda: False) -> tuple[list[int], torch.Tensor]:
+        """The talker's codes for one reply, and the RNG state after them (token2wav continues the stream).
+        `stop()` is asked after every code: true (the request was cancelled or timed out) ends the talker there."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class Stop(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((input_ids.shape[0],), stop(), dtype=torch.bool, device=input_ids.device)
+
         embed = self.thinker.get_input_embeddings()
         talker = self.talker
         ids = torch.tensor(prompt_ids + reply_ids[:-1], dtype=torch.long, device=embed.weight.device)
@@ -98,7 +106,8 @@ class OmniVoice:
                 video_second_per_grid=torch.tensor([g.second_per_grid for g in videos]) if videos else None,
                 audio_feature_lengths=torch.tensor(audios) if audios else None, use_audio_in_video=False,
                 max_new_tokens=max_codes, do_sample=True, top_k=40, top_p=0.8, temperature=0.9, eos_token_id=eos,
-                pad_token_id=talker.codec_pad_token, repetition_penalty=1.05)
+                pad_token_id=talker.codec_pad_token, repetition_penalty=1.05,
+                stopping_criteria=StoppingCriteriaList([Stop()]))
             state = torch.get_rng_state()
         codes = out[0, input_ids.shape[1]:].tolist()
         for i, code in enumerate(codes):
@@ -142,7 +151,8 @@ class TalkerStage(Stage):
             geometries = [task.geometry for task in (*item.inputs.get("media", ()), *item.inputs.get("audio_media",
                                                                                                    ()))]
             codes, state = self.voice.codes(list(generation.prompt_ids), choice["token_ids"], choice.pop("hidden"),
-                                            geometries, speech.voice, state, self.max_codes)
+                                            geometries, speech.voice, state, self.max_codes,
+                                            stop=item.request.should_stop)
             outputs.append({"codes": codes, "rng": state})
         return outputs
 

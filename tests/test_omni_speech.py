@@ -186,3 +186,39 @@ def test_the_thinker_reads_audio_image_and_text_in_one_message(path):
 
 def tokens(result) -> list[int]:
     return result["choices"][0]["token_ids"]
+
+
+def test_cancel_mid_talker_stops_every_stage(engine):
+    """A talker that would run 4096 codes (its end codes made unreachable for this test): cancelled while it runs,
+    it stops within a code, no token2wav runs for it, the engine is idle, and the next request speaks."""
+    import time
+
+    from stages.events import ErrorKind, StageError
+
+    talker = engine._served["m"].model.voice.talker
+    ends = talker.codec_pad_token, talker.codec_eos_token
+    before = engine.metrics.registry.get_sample_value("mmserve_graph_nodes_total",
+                                                      {"model": "m", "node": "token2wav", "stage": "m/token2wav"})
+    talker.codec_pad_token = talker.codec_eos_token = talker.codebook_size + 7  # never sampled
+    try:
+        handle = submit(engine, [{"role": "user", "content": "Talk forever."}], SpeechOutput("Chelsie", 3))
+        deadline = time.monotonic() + 30
+        while engine.executor.pools["m/talker"].idle:  # the thinker's reply is done, the talker at work
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)  # well inside the talker's 4096 codes
+        cancelled = time.monotonic()
+        handle.cancel()
+        with pytest.raises(StageError) as info:
+            handle.result(timeout=30)
+        assert info.value.kind is ErrorKind.CANCELLED
+        while not engine.executor.idle():
+            assert time.monotonic() - cancelled < 1.0, "the talker kept running after the cancel"
+            time.sleep(0.01)
+    finally:
+        talker.codec_pad_token, talker.codec_eos_token = ends
+    after = engine.metrics.registry.get_sample_value("mmserve_graph_nodes_total",
+                                                     {"model": "m", "node": "token2wav", "stage": "m/token2wav"})
+    assert after == before  # token2wav never started for it
+    result = submit(engine, [{"role": "user", "content": "Say something nice."}], SpeechOutput("Chelsie", 7))
+    assert result.result(timeout=120)["audio"].numel() > 0
