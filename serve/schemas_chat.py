@@ -142,9 +142,9 @@ class ChatCompletionRequest(SamplingFields):
         if audio.get("format", "wav") not in SPOKEN_FORMATS:
             raise RequestError("audio.format", f"audio.format must be one of {list(SPOKEN_FORMATS)}; got "
                                f"{audio.get('format')!r}")
-        if self.stream:
-            raise RequestError("stream", "streaming a spoken reply is not supported yet; send stream=false (the "
-                               "audio comes whole, with its transcript)")
+        if self.stream and audio.get("format", "wav") != "pcm16":
+            raise RequestError("audio.format", "a streamed spoken reply is pcm16 (24 kHz, 16-bit, mono), as OpenAI "
+                               f"streams it; got {audio.get('format', 'wav')!r}")
         return SpeechOutput(audio["voice"], self.seed if self.seed is not None else secrets.randbits(31))
 
     @property
@@ -386,3 +386,34 @@ class CompletionReply(TextReply):
             out["text_offset"].append(self._offsets.get(index, 0))
             self._offsets[index] = self._offsets.get(index, 0) + len(text)
         return out
+
+
+class SpokenChatReply(ChatReply):
+    """A streamed spoken reply in OpenAI's shape: the words as `delta.audio.transcript` pieces while the thinker
+    writes, then the audio as `delta.audio.data` pieces of pcm16 (24 kHz mono), `AUDIO_CHUNK_S` seconds each,
+    which concatenate to the whole; then the finish chunk (and usage when asked)."""
+
+    AUDIO_CHUNK_S = 0.5
+
+    def __init__(self, *args, audio_id: str, expires_at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.audio_id = audio_id
+        self.expires_at = expires_at
+
+    def delta(self, data: dict[str, Any]) -> dict[str, Any] | None:
+        if not data["text"]:
+            return None
+        return self._chunk([{"index": data["index"], "delta": {"audio": {"transcript": data["text"]}},
+                             "logprobs": None, "finish_reason": None}])
+
+    def closing(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        import base64
+
+        import numpy as np
+
+        pcm = (np.clip(outputs["audio"].numpy(), -1, 1) * 32767).astype("<i2").tobytes()
+        step = int(self.AUDIO_CHUNK_S * outputs["sample_rate"]) * 2
+        pieces = [{"index": 0, "delta": {"audio": {"id": self.audio_id, "data": base64.b64encode(pcm[i:i + step])
+                                                   .decode(), "expires_at": self.expires_at}},
+                   "logprobs": None, "finish_reason": None} for i in range(0, len(pcm), step)]
+        return [self._chunk([piece]) for piece in pieces] + super().closing(outputs)

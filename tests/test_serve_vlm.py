@@ -240,7 +240,18 @@ def test_a_spoken_reply_through_the_openai_client(client, paths):
                           "audio.format")):
         err = bad_request(client, "omni-demo", messages, **extra)
         assert err.body["param"] == param, err.body
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.BadRequestError) as info:  # OpenAI streams pcm16 only
         client.chat.completions.create(model="omni-demo", messages=messages, modalities=["text", "audio"],
                                        audio={"voice": "Ethan", "format": "wav"}, stream=True)
-    assert info.value.body["param"] == "stream"
+    assert info.value.body["param"] == "audio.format"
+    # Streamed: transcript pieces, then pcm16 pieces that concatenate to the same waveform.
+    chunks = list(client.chat.completions.create(
+        model="omni-demo", messages=messages, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "pcm16"},
+        temperature=0, max_tokens=12, seed=5, stream=True, stream_options={"include_usage": True}))
+    audio = [c.choices[0].delta.to_dict().get("audio", {}) for c in chunks if c.choices]
+    assert "".join(a.get("transcript", "") for a in audio) == text
+    pcm = b"".join(base64.b64decode(a["data"]) for a in audio if "data" in a)
+    assert len([a for a in audio if "data" in a]) >= 2  # more than one piece (0.5 s each)
+    streamed = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32767
+    np.testing.assert_allclose(streamed, wav.numpy(), rtol=0, atol=1e-4)
+    assert chunks[-1].usage.completion_tokens == len(ids[0]) - inputs["input_ids"].shape[1]

@@ -27,6 +27,7 @@ from serve.schemas_chat import (
     ChatReply,
     CompletionReply,
     CompletionRequest,
+    SpokenChatReply,
     TextReply,
 )
 from stages.request_state import RequestHandle
@@ -50,6 +51,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                                           speech=speech), request_id=reply.id)
     if speech is None:
         return await respond(request, handle, reply, stream=body.stream)
+    if body.stream:
+        spoken = SpokenChatReply(reply.id, model, engine.chat_model(model).token_texts(), params,
+                                 include_usage=body.include_usage, audio_id=f"audio_{uuid.uuid4().hex}",
+                                 expires_at=int(time.time()) + AUDIO_TTL_S)
+        return await respond(request, handle, spoken, stream=True)
     outputs = await result_or_cancel(request, handle)
     data = await asyncio.to_thread(_encode_file, engine, outputs["audio"].numpy(), outputs["sample_rate"],
                                    SPOKEN_FORMATS[body.audio_format])
