@@ -40,10 +40,11 @@ class OmniVoice:
     """The talker, token2wav and speakers of a Qwen2.5-Omni checkpoint, beside a thinker loaded elsewhere (whose
     input embeddings the talker reads)."""
 
-    def __init__(self, path: str, thinker, *, device: str):
+    def __init__(self, path: str, thinker, *, device: str, dtype: torch.dtype = torch.float32):
         from transformers import Qwen2_5OmniForConditionalGeneration
 
-        full = Qwen2_5OmniForConditionalGeneration.from_pretrained(path)  # the thinker's copy is dropped below
+        # The whole checkpoint loads once more (its thinker copy is dropped below: a transient second thinker).
+        full = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=dtype)
         if not full.has_talker:
             raise ValueError(f"{path}: this Qwen2.5-Omni checkpoint has no talker (enable_audio_output is off)")
         self.talker = full.talker.to(device).eval()

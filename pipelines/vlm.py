@@ -84,7 +84,7 @@ class VLMChatModel(LanguageModel):
                                                 False):
             from pipelines.omni import OmniVoice
 
-            self.voice = OmniVoice(path, model, device=device)
+            self.voice = OmniVoice(path, model, device=device, dtype=DTYPES[dtype])
         runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
                              kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
                              mrope=self.mrope is not None)
