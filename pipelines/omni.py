@@ -14,6 +14,7 @@ own); the talker starts once the thinker's reply is complete (no streaming edge 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
@@ -26,6 +27,22 @@ SAMPLE_RATE = 24000  # token2wav's output
 # generator): each request sets the global state to its own stream, draws, and restores it, holding this lock,
 # so the talker and token2wav workers of different requests never interleave their draws.
 _GLOBAL_RNG = threading.Lock()
+
+
+@contextmanager
+def seeded_stream(device: torch.device, state: tuple | int):
+    """torch's global generators (the CPU's and, on a GPU, the device's) set to `state` (or seeded with an int, as
+    torch.manual_seed does) for the block, then restored; yields a callable returning the state reached, for the
+    next block of the same stream. Holds the lock that keeps other requests' draws out."""
+    cuda = device.type == "cuda"
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[device] if cuda else []):
+        if isinstance(state, int):
+            torch.manual_seed(state)
+        else:
+            torch.set_rng_state(state[0])
+            if cuda:
+                torch.cuda.set_rng_state(state[1], device)
+        yield lambda: (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
 
 
 @dataclass(frozen=True)
@@ -61,9 +78,10 @@ class OmniVoice:
 
     @torch.inference_mode()
     def codes(self, prompt_ids: list[int], reply_ids: list[int], hidden: torch.Tensor, geometries: list,
-              speaker: str, generator_state: torch.Tensor, max_codes: int,
-              stop: Callable[[], bool] = lambda: False) -> tuple[list[int], torch.Tensor]:
-        """The talker's codes for one reply, and the RNG state after them (token2wav continues the stream).
+              speaker: str, seed: int, max_codes: int,
+              stop: Callable[[], bool] = lambda: False) -> tuple[list[int], tuple]:
+        """The talker's codes for one reply (its sampling seeded with `seed`), and the RNG state after them
+        (token2wav continues the stream).
         `stop()` is asked after every code: true (the request was cancelled or timed out) ends the talker there."""
         from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -86,7 +104,7 @@ class OmniVoice:
 
         reply = states[n:]
         if len(reply) == 0:  # one sampled token: nothing was fed back, nothing to say
-            return [], generator_state
+            return [], ()
         inputs_embeds = torch.cat([states[:n], embedded(spk["bos_token"]), reply[:1]])[None].to(self.device)
         reply_part = torch.cat([reply[1:], embedded(talker.text_eos_token), embedded(talker.text_pad_token)])
         input_ids = torch.tensor([[talker.codec_mask_token] * n + [talker.codec_pad_token, talker.codec_bos_token]],
@@ -96,8 +114,7 @@ class OmniVoice:
         videos = [g for g in geometries if g.kind == "video"]
         audios = [g.audio_frames for g in geometries if g.kind == "audio"]
         eos = [talker.codec_pad_token, talker.codec_eos_token]
-        with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(generator_state)
+        with seeded_stream(self.device, seed) as reached:
             out = talker.generate(
                 input_ids=input_ids, input_text_ids=text_ids,
                 thinker_reply_part=reply_part[None].to(self.device, talker.dtype),
@@ -109,7 +126,7 @@ class OmniVoice:
                 max_new_tokens=max_codes, do_sample=True, top_k=40, top_p=0.8, temperature=0.9, eos_token_id=eos,
                 pad_token_id=talker.codec_pad_token, repetition_penalty=1.05,
                 stopping_criteria=StoppingCriteriaList([Stop()]))
-            state = torch.get_rng_state()
+            state = reached()
         codes = out[0, input_ids.shape[1]:].tolist()
         for i, code in enumerate(codes):
             if code in eos:
@@ -117,13 +134,12 @@ class OmniVoice:
         return codes, state
 
     @torch.inference_mode()
-    def waveform(self, codes: list[int], speaker: str, generator_state: torch.Tensor) -> torch.Tensor:
+    def waveform(self, codes: list[int], speaker: str, generator_state: tuple) -> torch.Tensor:
         """float32 [samples] at 24 kHz (empty for no codes)."""
         if not codes:
             return torch.zeros(0)
         spk = self.speakers[speaker]
-        with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(generator_state)
+        with seeded_stream(self.device, generator_state):
             wav = self.token2wav(torch.tensor([codes], device=self.device), conditioning=spk["cond"].to(
                 self.device).float(), reference_mel=spk["ref_mel"].to(self.device).float())
         return wav.reshape(-1).float().cpu()
@@ -148,11 +164,10 @@ class TalkerStage(Stage):
             speech: SpeechOutput = item.inputs["speech"]
             choice = item.inputs["choices"][0]
             generation = item.inputs["request"]
-            state = torch.Generator().manual_seed(speech.seed).get_state()
             geometries = [task.geometry for task in (*item.inputs.get("media", ()), *item.inputs.get("audio_media",
                                                                                                    ()))]
             codes, state = self.voice.codes(list(generation.prompt_ids), choice["token_ids"], choice.pop("hidden"),
-                                            geometries, speech.voice, state, self.max_codes,
+                                            geometries, speech.voice, speech.seed, self.max_codes,
                                             stop=item.request.should_stop)
             outputs.append({"codes": codes, "rng": state})
         return outputs
