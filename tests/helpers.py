@@ -92,3 +92,21 @@ def wav_bytes(samples, rate: int = 16000) -> bytes:
         w.setframerate(rate)
         w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
     return out.getvalue()
+
+
+def demo_path(tmp_path_factory, family: str) -> str:
+    """The demo checkpoint of `family`, built in a fresh temporary directory (pipelines/demo)."""
+    from pipelines.demo import build_demo_model
+
+    return str(build_demo_model(family, tmp_path_factory.mktemp(family) / family))
+
+
+def vlm_engine_fixture():
+    """A module-scoped `engine` fixture serving the module's `path` fixture as model "m" (family vlm)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def engine(path):
+        with running_engine(path, family="vlm") as eng:
+            yield eng
+    return engine

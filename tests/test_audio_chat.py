@@ -19,7 +19,7 @@ from pipelines.chat import ChatRequest
 from pipelines.image_request import RequestError
 from stages.events import StageError
 from stages.llm.params import SamplingParams
-from tests.helpers import running_engine, wav_bytes
+from tests.helpers import demo_path, vlm_engine_fixture, wav_bytes
 
 ESPEAK = shutil.which("espeak-ng")
 needs_espeak = pytest.mark.skipif(ESPEAK is None, reason="needs espeak-ng (make test installs it)")
@@ -41,15 +41,10 @@ def message(data: bytes, question: str, fmt: str = "wav") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    from pipelines.demo import build_demo_model
-
-    return str(build_demo_model("qwen2_audio", tmp_path_factory.mktemp("qwen2-audio") / "qwen2_audio"))
+    return demo_path(tmp_path_factory, "qwen2_audio")
 
 
-@pytest.fixture(scope="module")
-def engine(path):
-    with running_engine(path, family="vlm") as eng:
-        yield eng
+engine = vlm_engine_fixture()
 
 
 @pytest.fixture(scope="module")

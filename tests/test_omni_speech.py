@@ -17,22 +17,17 @@ from pipelines.chat import ChatRequest
 from pipelines.image_request import RequestError
 from pipelines.omni import SAMPLE_RATE, SpeechOutput
 from stages.llm.params import SamplingParams
-from tests.helpers import running_engine, wav_bytes
+from tests.helpers import demo_path, running_engine, vlm_engine_fixture, wav_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    from pipelines.demo import build_demo_model
-
-    return str(build_demo_model("qwen2_5_omni", tmp_path_factory.mktemp("omni") / "omni"))
+    return demo_path(tmp_path_factory, "qwen2_5_omni")
 
 
-@pytest.fixture(scope="module")
-def engine(path):
-    with running_engine(path, family="vlm") as eng:
-        yield eng
+engine = vlm_engine_fixture()
 
 
 @pytest.fixture(scope="module")
