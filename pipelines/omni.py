@@ -45,6 +45,14 @@ def seeded_stream(device: torch.device, state: tuple | int):
         yield lambda: (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
 
 
+def not_speaking(model: str):
+    """The refusal of audio output by a model without a speech decoder (names `modalities`)."""
+    from pipelines.image_request import RequestError
+
+    return RequestError("modalities", f"model {model} does not speak: audio output needs a model with a speech "
+                        "decoder (a Qwen2.5-Omni with its talker); ask for [\"text\"]", code="unsupported_modality")
+
+
 @dataclass(frozen=True)
 class SpeechOutput:
     """What a request asks of the speech half: the speaker and the seed of its sampling and noise."""
@@ -164,8 +172,8 @@ class TalkerStage(Stage):
             speech: SpeechOutput = item.inputs["speech"]
             choice = item.inputs["choices"][0]
             generation = item.inputs["request"]
-            geometries = [task.geometry for task in (*item.inputs.get("media", ()), *item.inputs.get("audio_media",
-                                                                                                   ()))]
+            tasks = (*item.inputs.get("media", ()), *item.inputs.get("audio_media", ()))  # each kind in prompt order
+            geometries = [task.geometry for task in tasks]
             codes, state = self.voice.codes(list(generation.prompt_ids), choice["token_ids"], choice.pop("hidden"),
                                             geometries, speech.voice, speech.seed, self.max_codes,
                                             stop=item.request.should_stop)

@@ -59,12 +59,9 @@ def after_parallel(family: str, module: Any) -> None:
 def image_tokens(module: Any, latents: torch.Tensor) -> int:
     """How many image tokens the denoiser's sequence has for these latents ([B, C, H, W] or [B, C, F, H, W])."""
     patch = module.config.patch_size
-    dims = latents.shape[2:]
-    sizes = (patch,) * len(dims) if isinstance(patch, int) else tuple(patch)
-    if isinstance(patch, int) and len(dims) == 3:  # a video model with a temporal patch of its own
-        sizes = (getattr(module.config, "patch_size_t", 1) or 1, patch, patch)
+    sizes = (patch, patch) if isinstance(patch, int) else tuple(patch)  # SD3's int patches H and W; Wan's (t, h, w)
     count = 1
-    for dim, size in zip(dims, sizes[-len(dims):], strict=True):
+    for dim, size in zip(latents.shape[2:], sizes, strict=True):
         count *= dim // size
     return count
 

@@ -24,6 +24,7 @@ from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
 from pipelines.image_request import ImageLimits, ImageRequest, ModelNotFound, RequestError, Task
+from pipelines.omni import TalkerStage, Token2WavStage, not_speaking
 from pipelines.registry import family_class
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
@@ -279,9 +280,7 @@ class ServedChat:
 
     def execution(self, request: ChatRequest) -> Execution:
         if request.speech is not None:
-            raise RequestError("modalities", f"model {self.name} does not speak: audio output needs a model with a "
-                               "speech decoder (a Qwen2.5-Omni with its talker); ask for [\"text\"]",
-                               code="unsupported_modality")
+            raise not_speaking(self.name)
         return Execution(chain(self.name, "llm"), {"request": self.model.generation_request(request)})
 
     def warm(self, engine: Engine) -> None:
@@ -321,8 +320,6 @@ class ServedVLM(ServedChat):
                                   self.finalize)
         speech = ()
         if model.voice is not None:
-            from pipelines.omni import TalkerStage, Token2WavStage
-
             speech = (("talker", TalkerStage(self.name, model.voice), None),
                       ("token2wav", Token2WavStage(self.name, model.voice), None))
         return (("media_decode", decode, self.ctx.media_pool),
@@ -336,9 +333,7 @@ class ServedVLM(ServedChat):
         if request.speech is None:
             return
         if model.voice is None:
-            raise RequestError("modalities", f"model {self.name} does not speak: audio output needs a model with a "
-                               "speech decoder (a Qwen2.5-Omni with its talker); ask for [\"text\"]",
-                               code="unsupported_modality")
+            raise not_speaking(self.name)
         if request.speech.voice not in model.voice.voices:
             raise RequestError("audio.voice", f"model {self.name} has no voice {request.speech.voice!r}; voices: "
                                f"{list(model.voice.voices)}")

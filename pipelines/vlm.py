@@ -55,7 +55,8 @@ class VLMChatModel(LanguageModel):
 
         self.vlm = vlm
         self.processor = transformers.AutoProcessor.from_pretrained(path)
-        architecture = _architecture(path)
+        checkpoint = transformers.AutoConfig.from_pretrained(path)
+        architecture = _architecture(checkpoint, path)
         cls = getattr(transformers, LOAD_AS.get(architecture, architecture))
         # Paged attention for the language model only; the encoders keep their default attention.
         model = cls.from_pretrained(path, dtype=DTYPES[dtype],
@@ -80,8 +81,7 @@ class VLMChatModel(LanguageModel):
                              f"{sorted({**ADAPTERS, **AUDIO_ADAPTERS})}")
         self.mrope = next((a for a in self.adapters.values() if a.uses_mrope), None)
         self.voice = None  # a Qwen2.5-Omni's talker and token2wav: the reply can be spoken
-        if architecture in SPEAKING and getattr(transformers.AutoConfig.from_pretrained(path), "enable_audio_output",
-                                                False):
+        if architecture in SPEAKING and getattr(checkpoint, "enable_audio_output", False):
             from pipelines.omni import OmniVoice
 
             self.voice = OmniVoice(path, model, device=device, dtype=DTYPES[dtype])
@@ -266,10 +266,8 @@ def decode_chat_media(model: VLMChatModel, media: MediaConfig):
     return decode
 
 
-def _architecture(path: str) -> str:
-    from transformers import AutoConfig
-
-    architectures = AutoConfig.from_pretrained(path).architectures or []
+def _architecture(config, path: str) -> str:
+    architectures = config.architectures or []
     if not architectures:
         raise ValueError(f"{path}: config.json names no architectures")
     return architectures[0]

@@ -118,7 +118,7 @@ class ChatCompletionRequest(SamplingFields):
         object without the audio modality, a format we cannot write, streaming with audio (not yet)."""
         import secrets
 
-        from pipelines.omni import SpeechOutput
+        from pipelines.omni import SpeechOutput, not_speaking
 
         modalities = self.modalities or ["text"]
         if any(m not in ("text", "audio") for m in modalities) or "text" not in modalities:
@@ -130,9 +130,7 @@ class ChatCompletionRequest(SamplingFields):
                                    "[\"text\", \"audio\"]")
             return None
         if not speaks:
-            raise RequestError("modalities", f"model {model} does not speak: audio output needs a model with a "
-                               "speech decoder (a Qwen2.5-Omni with its talker); ask for [\"text\"]",
-                               code="unsupported_modality")
+            raise not_speaking(model)
         audio = self.audio or {}
         unknown = sorted(set(audio) - {"voice", "format"})
         if unknown:

@@ -44,26 +44,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model = resolve_chat_model(engine, body.model)
     speech = body.speech_output(model, SPOKEN_TASK in engine.models[model].tasks)
     params = body.sampling_params()  # the model checks its token ids against the vocabulary, once
-    reply = ChatReply(f"chatcmpl-{uuid.uuid4().hex}", model, engine.chat_model(model).token_texts(), params,
-                      include_usage=body.include_usage)
+    audio = {"id": f"audio_{uuid.uuid4().hex}", "expires_at": int(time.time()) + AUDIO_TTL_S}
+    spoken_stream = speech is not None and body.stream
+    reply = (SpokenChatReply if spoken_stream else ChatReply)(
+        f"chatcmpl-{uuid.uuid4().hex}", model, engine.chat_model(model).token_texts(), params,
+        include_usage=body.include_usage, **({"audio_id": audio["id"], "expires_at": audio["expires_at"]}
+                                             if spoken_stream else {}))
     # Image and video parts are fetched and decoded (media workers) before the request is admitted.
     handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant,
                                                           speech=speech), request_id=reply.id)
-    if speech is None:
+    if speech is None or body.stream:
         return await respond(request, handle, reply, stream=body.stream)
-    if body.stream:
-        spoken = SpokenChatReply(reply.id, model, engine.chat_model(model).token_texts(), params,
-                                 include_usage=body.include_usage, audio_id=f"audio_{uuid.uuid4().hex}",
-                                 expires_at=int(time.time()) + AUDIO_TTL_S)
-        return await respond(request, handle, spoken, stream=True)
     outputs = await result_or_cancel(request, handle)
     data = await asyncio.to_thread(_encode_file, engine, outputs["audio"].numpy(), outputs["sample_rate"],
                                    SPOKEN_FORMATS[body.audio_format])
     payload = reply.body(outputs)
     message = payload["choices"][0]["message"]
     # OpenAI's shape: the words are the audio's transcript, the content null.
-    message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
-                        "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": message["content"]}
+    message["audio"] = {**audio, "data": base64.b64encode(data).decode(), "transcript": message["content"]}
     message["content"] = None
     return JSONResponse(payload, headers={"x-request-id": handle.request_id})
 
