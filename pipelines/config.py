@@ -186,23 +186,38 @@ class MediaConfig:
 
 @dataclass(frozen=True)
 class VoiceSpec:
-    """A realtime voice model: a named cascade of served models, speech in -> ASR -> chat LM -> TTS -> speech out."""
+    """A realtime voice model: a named cascade of served models, speech in -> ASR -> chat LM -> TTS -> speech out; or
+    one omni model (`omni`) that hears the user's audio and speaks its reply itself (a Qwen2.5-Omni with its talker)."""
 
     name: str  # the id clients use: WS /v1/realtime?model=<name>
-    asr: str  # a served speech-recognition model
-    chat: str  # a served chat model
-    tts: str  # a served text-to-speech model
-    voice: str | None = None  # the TTS voice; None: the TTS model's first
+    asr: str = ""  # a served speech-recognition model (a cascade)
+    chat: str = ""  # a served chat model (a cascade)
+    tts: str = ""  # a served text-to-speech model (a cascade)
+    omni: str = ""  # instead of asr/chat/tts: a served omni model (audio in, audio out)
+    voice: str | None = None  # the TTS (or omni) voice; None: the model's first
     instructions: str = "You are a helpful voice assistant. Answer in one or two short sentences."
     max_output_tokens: int = 256  # per response, unless the session or response asks for fewer
     seed: int | None = None  # seeds every response's sampling (tests and benchmarks pin it); None: random
 
     def __post_init__(self):
-        for key in ("name", "asr", "chat", "tts"):
-            if not isinstance(getattr(self, key), str) or not getattr(self, key):
-                raise ValueError(f"voice model: '{key}' must be a non-empty string")
+        for key in ("name", "asr", "chat", "tts", "omni"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"voice model: '{key}' must be a string")
+        if not self.name:
+            raise ValueError("voice model: 'name' must be a non-empty string")
+        cascade = [key for key in ("asr", "chat", "tts") if getattr(self, key)]
+        if self.omni and cascade:
+            raise ValueError(f"voice model {self.name}: an omni voice names no {cascade} (its model hears and speaks "
+                             "itself)")
+        if not self.omni and len(cascade) < 3:
+            raise ValueError(f"voice model {self.name}: name asr, chat and tts (a cascade) or omni (one model)")
         if self.max_output_tokens < 1:
             raise ValueError(f"voice model {self.name}: max_output_tokens must be >= 1")
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The served models it is made of."""
+        return (self.omni,) if self.omni else (self.asr, self.chat, self.tts)
 
 
 @dataclass(frozen=True)

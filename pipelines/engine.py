@@ -27,6 +27,7 @@ from pipelines.replicas import placed_stages
 from pipelines.served import (
     REALTIME_VIDEO_TASK,
     REQUESTS,
+    SPOKEN_CHAT_TASK,
     Execution,
     LoadContext,
     ModelInfo,
@@ -146,24 +147,32 @@ class Engine:
 
     def _add_voice(self, voice: VoiceSpec) -> None:
         """A voice model names served models of the right kinds; checked once, at start."""
-        for key, kind, kinds in (("asr", ServedTranscription, "speech-recognition"), ("chat", ServedChat, "chat"),
-                                 ("tts", ServedSpeech, "text-to-speech")):
-            if getattr(voice, key) not in self._of_kind(kind):
-                raise ValueError(f"voice model {voice.name}: {key} = {getattr(voice, key)!r} is not a served "
-                                 f"{kinds} model; those are {sorted(self._of_kind(kind))}")
-        speaker = self.speech_model(voice.tts)
-        if voice.voice is not None and voice.voice not in speaker.voices:
-            raise ValueError(f"voice model {voice.name}: voice {voice.voice!r} is not a voice of {voice.tts}; its "
-                             f"voices: {list(speaker.voices)}")
+        if voice.omni:
+            omni = {name: served.info for name, served in self._served.items()
+                    if {"audio-chat", SPOKEN_CHAT_TASK} <= set(served.info.tasks)}
+            if voice.omni not in omni:
+                raise ValueError(f"voice model {voice.name}: omni = {voice.omni!r} is not a served model that hears "
+                                 f"audio and speaks (a Qwen2.5-Omni with its talker); those are {sorted(omni)}")
+            voices, of = omni[voice.omni].voices, voice.omni
+        else:
+            for key, kind, kinds in (("asr", ServedTranscription, "speech-recognition"), ("chat", ServedChat, "chat"),
+                                     ("tts", ServedSpeech, "text-to-speech")):
+                if getattr(voice, key) not in self._of_kind(kind):
+                    raise ValueError(f"voice model {voice.name}: {key} = {getattr(voice, key)!r} is not a served "
+                                     f"{kinds} model; those are {sorted(self._of_kind(kind))}")
+            voices, of = self.speech_model(voice.tts).voices, voice.tts
+        if voice.voice is not None and voice.voice not in voices:
+            raise ValueError(f"voice model {voice.name}: voice {voice.voice!r} is not a voice of {of}; its "
+                             f"voices: {list(voices)}")
         self._voices[voice.name] = voice
-        parts = [self.models[getattr(voice, key)] for key in ("asr", "chat", "tts")]
-        self.models[voice.name] = ModelInfo(voice.name, REALTIME_VOICE_TASK, f"{voice.asr}+{voice.chat}+{voice.tts}",
-                                            (REALTIME_VOICE_TASK,), voices=speaker.voices,
+        parts = [self.models[name] for name in voice.parts]
+        self.models[voice.name] = ModelInfo(voice.name, REALTIME_VOICE_TASK, "+".join(voice.parts),
+                                            (REALTIME_VOICE_TASK,), voices=tuple(voices),
                                             random_weights=any(p.random_weights for p in parts))
-        log.info("voice model %s: %s -> %s -> %s", voice.name, voice.asr, voice.chat, voice.tts)
+        log.info("voice model %s: %s", voice.name, " -> ".join(voice.parts))
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, model: str, request: Any, *, request_id: str | None = None) -> RequestHandle:
+    def submit(self, model: str, request: Any, *, request_id: str | None = None, fence=None) -> RequestHandle:
         """Check `request` (cheap checks, RequestErrors naming the field), then run its graph on `model`.
 
         The request's type says what it asks for (ImageRequest, VideoRequest, ChatRequest, EmbeddingRequest,
@@ -172,7 +181,7 @@ class Engine:
         kind = REQUESTS.get(type(request))
         if kind is None:
             raise TypeError(f"Engine.submit runs {[t.__name__ for t in REQUESTS]}, not {type(request).__name__}")
-        return self.run(model, self._served_as(model, kind).execution(request), request_id=request_id)
+        return self.run(model, self._served_as(model, kind).execution(request), request_id=request_id, fence=fence)
 
     def run(self, model: str, execution: Execution, *, request_id: str | None = None, fence=None) -> RequestHandle:
         """Hand a checked request's graph to the executor, with the engine's deadline and the model's admission."""
@@ -222,7 +231,8 @@ class Engine:
     def chat_model(self, model: str) -> LanguageModel:
         return self._served_as(model, ServedChat).model
 
-    def submit_chat(self, model: str, request: ChatRequest, *, request_id: str | None = None) -> RequestHandle:
+    def submit_chat(self, model: str, request: ChatRequest, *, request_id: str | None = None,
+                    fence=None) -> RequestHandle:
         """Tokenize (chat template), check, then run the llm stage.
 
         Events: DELTA {"index", "text", "finish_reason"[, "logprobs"]} as tokens are sampled; FINAL outputs
@@ -233,22 +243,24 @@ class Engine:
             try:
                 asyncio.get_running_loop()
             except RuntimeError:  # no loop in this thread: run the fetch and decode here
-                return asyncio.run(self.asubmit_chat(model, request, request_id=request_id))
+                return asyncio.run(self.asubmit_chat(model, request, request_id=request_id, fence=fence))
             raise RuntimeError("submit_chat with image or video parts inside an event loop: await asubmit_chat")
-        return self.submit(model, request, request_id=request_id)
+        return self.submit(model, request, request_id=request_id, fence=fence)
 
-    async def asubmit_chat(self, model: str, request: ChatRequest, *, request_id: str | None = None) -> RequestHandle:
+    async def asubmit_chat(self, model: str, request: ChatRequest, *, request_id: str | None = None,
+                           fence=None) -> RequestHandle:
         """submit_chat for callers in an event loop; images and video (vision-language models) go this way:
         content parts checked -> sources fetched and decoded (media workers) -> placeholders expanded, the
         context checked with the media tokens counted -> vision_encode -> llm. Same events as submit_chat."""
         served = self._served_as(model, ServedChat)
         if not isinstance(served, ServedVLM) or request.messages is None or not has_media_parts(request.messages):
-            return self.submit_chat(model, request, request_id=request_id)
+            return self.submit_chat(model, request, request_id=request_id, fence=fence)
         chat = served.model
         assert isinstance(chat, VLMChatModel)
         parsed = chat.parse(request)
         sources = await asyncio.gather(*(self.load_source(p.url, param=p.param) for p in parsed.media))
-        handle = self.run(model, served.execution_with_media(request, parsed, list(sources)), request_id=request_id)
+        handle = self.run(model, served.execution_with_media(request, parsed, list(sources)), request_id=request_id,
+                          fence=fence)
         await settled(handle, "media_decode")  # its decode and prompt errors are the caller's, as a text one's
         return handle
 

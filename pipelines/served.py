@@ -293,6 +293,8 @@ class ServedChat:
         return f"{runner.num_blocks} KV blocks of {runner.kv.block_size} tokens"
 
 
+SPOKEN_CHAT_TASK = "spoken-chat"  # ModelInfo.tasks of a chat model that can speak its reply (a talker)
+
 class ServedVLM(ServedChat):
     """A vision- or audio-language model: vision_encode and/or audio_encode (through the encoder-output cache)
     -> llm."""
@@ -303,8 +305,9 @@ class ServedVLM(ServedChat):
         assert isinstance(model, VLMChatModel)
         kinds = (["vision-chat"] if "image" in model.accepts else []) + (["audio-chat"] if "audio" in model.accepts
                                                                             else [])
-        kinds += ["spoken-chat"] if model.voice is not None else []
-        self.info = dataclasses.replace(self.info, tasks=("chat", *kinds))
+        kinds += [SPOKEN_CHAT_TASK] if model.voice is not None else []
+        self.info = dataclasses.replace(self.info, tasks=("chat", *kinds),
+                                        voices=model.voice.voices if model.voice is not None else ())
 
     def _load(self, spec: ModelSpec, ctx: LoadContext) -> LanguageModel:
         # A reload gets a new weights id (file fingerprint); entries of the old weights are dropped now.

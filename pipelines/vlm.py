@@ -112,6 +112,12 @@ class VLMChatModel(LanguageModel):
         return super()._checked_ids(ids, param)
 
     # -- multimodal requests --------------------------------------------------------------------------
+    def max_audio_s(self, media: MediaConfig) -> float:
+        """The longest audio part a request may bring: the media limit, vlm.max_audio_s and the encoder's window."""
+        adapter = self.adapters["audio"]
+        assert isinstance(adapter, AudioAdapter)  # the "audio" kind is an audio adapter's
+        return min(media.audio.max_duration_s, self.vlm.max_audio_s, adapter.max_seconds)
+
     def parse(self, request: ChatRequest) -> ParsedChat:
         """Sampling parameters, content parts and media limits; the text alone must fit the context (before any
         fetch)."""
@@ -223,10 +229,9 @@ def decode_chat_media(model: VLMChatModel, media: MediaConfig):
             return pool.submit("decode_image", data, media.image)
         if part.kind == "audio":
             adapter = model.adapters["audio"]
-            assert isinstance(adapter, AudioAdapter)  # the "audio" kind is an audio adapter's
-            limits = dataclasses.replace(media.audio, max_duration_s=min(
-                media.audio.max_duration_s, model.vlm.max_audio_s, adapter.max_seconds),
-                formats=(part.audio_format,) if part.audio_format else media.audio.formats)
+            assert isinstance(adapter, AudioAdapter)
+            limits = dataclasses.replace(media.audio, max_duration_s=model.max_audio_s(media),
+                                         formats=(part.audio_format,) if part.audio_format else media.audio.formats)
             return pool.submit("decode_audio", data, limits, sample_rate=adapter.sample_rate)
         return pool.submit("probe_video", data, media.video)
 

@@ -46,6 +46,9 @@
     chat = "llama"
     tts = "vits"
     seed = 0                      # optional, as voice, instructions, max_output_tokens (pipelines.config.VoiceSpec)
+    [[voices]]                    # or one omni model that hears and speaks itself (speech to speech)
+    name = "omni-voice"           # the demo has "omni-voice-demo" on omni-demo
+    omni = "omni"
 
     [[models]]                    # none: the demo models (sd, sdxl, sd3, flux, llama, clip, minilm: `<family>-demo`;
                                   # llava-demo, qwen-vl-demo, vits-demo, speecht5-demo, whisper-demo,
@@ -120,7 +123,7 @@ EMBEDDING_DEMO_FAMILIES = ("clip", "minilm")
 # Vision- and audio-language chat (pipelines/demo/vlm.py, audio_chat.py): demo family -> served name; engine family
 # "vlm".
 VLM_DEMO_NAMES = {"llava": "llava-demo", "qwen2_5_vl": "qwen-vl-demo", "qwen2_audio": "qwen2-audio-demo",
-                  "qwen2_5_omni": "omni-demo"}  # omni-demo: the Qwen2.5-Omni thinker (text out)
+                  "qwen2_5_omni": "omni-demo"}  # omni-demo: a Qwen2.5-Omni (thinker, talker, token2wav)
 # Text to speech (pipelines/demo/tts.py): "vits-demo" and "speecht5-demo"; the engine family is the demo family.
 TTS_DEMO_FAMILIES = ("vits", "speecht5")
 DEMO_FAMILIES = IMAGE_DEMO_FAMILIES + CHAT_DEMO_FAMILIES + EMBEDDING_DEMO_FAMILIES + tuple(VLM_DEMO_NAMES)
@@ -207,13 +210,16 @@ def engine_config(models: list[ModelSpec], raw: dict[str, Any] | None = None, *,
 
 
 def demo_voices(models: list[ModelSpec]) -> list[VoiceSpec]:
-    """The demo voice model "voice-demo": the real Whisper tiny.en when served (else the random whisper-demo),
-    llama-demo and vits-demo. None when one of them is not among `models`."""
+    """The demo voice models: "voice-demo", the real Whisper tiny.en when served (else the random whisper-demo),
+    llama-demo and vits-demo; "omni-voice-demo", omni-demo alone. Each only when its models are among `models`."""
     names = {m.name for m in models}
+    voices = []
     asr = next((n for n in ("whisper-tiny-en", "whisper-demo") if n in names), None)
-    if asr is None or not {"llama-demo", "vits-demo"} <= names:
-        return []
-    return [VoiceSpec(name="voice-demo", asr=asr, chat="llama-demo", tts="vits-demo", max_output_tokens=48)]
+    if asr is not None and {"llama-demo", "vits-demo"} <= names:
+        voices.append(VoiceSpec(name="voice-demo", asr=asr, chat="llama-demo", tts="vits-demo", max_output_tokens=48))
+    if "omni-demo" in names:
+        voices.append(VoiceSpec(name="omni-voice-demo", omni="omni-demo", max_output_tokens=48))
+    return voices
 
 
 def demo_specs(root: Path, families: tuple[str, ...] = DEMO_FAMILIES) -> list[ModelSpec]:
@@ -322,7 +328,7 @@ def _voice(table: dict[str, Any], index: int) -> VoiceSpec:
     try:
         return VoiceSpec(**table)
     except TypeError as e:  # a required key is missing
-        raise ValueError(f"{where}: name, asr, chat and tts are required ({e})") from e
+        raise ValueError(f"{where}: name is required ({e})") from e
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
 

@@ -19,15 +19,17 @@ from stages.pool import PoolConfig
 
 
 @contextmanager
-def running_engine(path: str, *, name: str = "m", max_batch_size: int | None = None, **spec_kwargs) -> Iterator[Engine]:
-    """A started engine serving one model (`name`, from `path`), shut down on exit.
+def running_engine(path: str, *, name: str = "m", max_batch_size: int | None = None, voices: tuple = (),
+                   **spec_kwargs) -> Iterator[Engine]:
+    """A started engine serving one model (`name`, from `path`) and the realtime `voices` (VoiceSpecs) made of it,
+    shut down on exit.
 
     `max_batch_size` sets the denoise pool's batch limit (None: the default pools); other keyword
     arguments go to `ModelSpec`.
     """
     if max_batch_size is not None:
         spec_kwargs["pools"] = {**spec_kwargs.get("pools", {}), "denoise": PoolConfig(max_batch_size=max_batch_size)}
-    eng = Engine(EngineConfig(models=(ModelSpec(name, path, **spec_kwargs),)))
+    eng = Engine(EngineConfig(models=(ModelSpec(name, path, **spec_kwargs),), voices=voices))
     eng.start()
     try:
         yield eng
@@ -101,12 +103,12 @@ def demo_path(tmp_path_factory, family: str) -> str:
     return str(build_demo_model(family, tmp_path_factory.mktemp(family) / family))
 
 
-def vlm_engine_fixture():
-    """A module-scoped `engine` fixture serving the module's `path` fixture as model "m" (family vlm)."""
+def vlm_engine_fixture(voices: tuple = ()):
+    """A module-scoped `engine` fixture serving the module's `path` fixture as model "m" (family vlm), and `voices`."""
     import pytest
 
     @pytest.fixture(scope="module")
     def engine(path):
-        with running_engine(path, family="vlm") as eng:
+        with running_engine(path, family="vlm", voices=voices) as eng:
             yield eng
     return engine

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipelines.chat import ChatRequest
+from pipelines.config import VoiceSessionConfig, VoiceSpec
 from pipelines.image_request import RequestError
 from pipelines.omni import SAMPLE_RATE, SpeechOutput
 from stages.llm.params import SamplingParams
@@ -27,7 +28,8 @@ def path(tmp_path_factory):
     return demo_path(tmp_path_factory, "qwen2_5_omni")
 
 
-engine = vlm_engine_fixture()
+OMNI_VOICE = VoiceSpec("omni-voice", omni="m", max_output_tokens=12, seed=0)
+engine = vlm_engine_fixture(voices=(OMNI_VOICE,))
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +128,13 @@ def test_a_model_without_a_talker_refuses_speech(tmp_path):
         with pytest.raises(RequestError) as info:
             submit(eng, [{"role": "user", "content": "hi"}], SpeechOutput("Chelsie", 1))
         assert info.value.param == "modalities" and "does not speak" in str(info.value)
+    # nor can it be an omni voice (it hears, but does not speak); a voice is one omni model or a whole cascade
+    with pytest.raises(ValueError, match="is not a served model that hears audio and speaks"):
+        with running_engine(path, family="vlm", voices=(VoiceSpec("v", omni="m"),)):
+            pass
+    for bad in ({"omni": "m", "chat": "m"}, {"asr": "a", "chat": "c"}, {}):
+        with pytest.raises(ValueError, match="voice model v"):
+            VoiceSpec("v", **bad)
 
 
 def omni_reference(path, clip: np.ndarray, image, question: str, n: int = 12) -> list[int]:
@@ -217,3 +226,77 @@ def test_cancel_mid_talker_stops_every_stage(engine):
     assert after == before  # token2wav never started for it
     result = submit(engine, [{"role": "user", "content": "Say something nice."}], SpeechOutput("Chelsie", 7))
     assert result.result(timeout=120)["audio"].numel() > 0
+
+
+def test_a_realtime_omni_voice_hears_speaks_and_is_interrupted(engine):
+    """A `[[voices]] omni = ...` session: the user's audio (no transcription) goes to the omni model as input_audio,
+    its spoken reply streams as audio deltas with the text as transcript; speech over the reply (server_vad) cancels
+    it (turn_detected) and truncates it to what was heard; the next reply hears both utterances and equals the
+    model's own answer to that context. The session clock is held still, so the first reply cannot finish playing
+    before the interruption (no wall clock in the outcome)."""
+    import json
+    import types
+
+    from realtime.sessions import Journal, Outbox
+    from realtime.voice.session import VoiceSession
+    from realtime.voice.vad import VadLoader
+    from tests.test_realtime_voice_support import ESPEAK, Collector, silence, speech, stream, voiced
+
+    first = speech("What colour is the sky?") if ESPEAK else voiced(1.2, seed=1)
+    second = speech("Wait, tell me a story.") if ESPEAK else voiced(1.0, seed=2)
+
+    async def main():
+        now = [0.0]
+        collector, outbox = Collector(), Outbox(Journal(100_000, 1 << 30))
+        await outbox.attach(collector.send)
+        s = VoiceSession(engine, engine.voice_model("omni-voice"), VoiceSessionConfig(vad="energy", delta_ms=20,
+                         max_lead_ms=20), session_id="sess_omni", resume_token="tok", outbox=outbox,
+                         vad=VadLoader("energy"), clock=lambda: now[0])
+        await s.start()
+        await s.receive(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {
+            "output": {"voice": "Nobody"}}}}))
+        await stream(s.receive, np.concatenate([silence(0.3), first, silence(0.8)]), realtime=False)
+        r1 = (await collector.wait_event("response.created"))["response"]["id"]
+        await collector.wait_event("response.output_audio.delta", response_id=r1)  # then it waits for playback
+        now[0] += 0.01  # 10 ms of it played
+        await stream(s.receive, np.concatenate([second, silence(0.8)]), realtime=False)
+        await collector.wait_for(lambda: [e for e in collector.of("response.created") if e["response"]["id"] != r1])
+
+        async def playing():  # from now on the client plays in (fast) time
+            while True:
+                now[0] += 0.05
+                await asyncio.sleep(0.005)
+        clock = asyncio.create_task(playing())
+        done = await collector.wait_event("response.done", 2)
+        clock.cancel()
+        context = await s.context_for(types.SimpleNamespace(params=s._default_params()))
+        heard = [item.audio for item in s.conversation if item.role == "user"]
+        await s.close("test")
+        return collector, r1, done, context, heard
+
+    c, r1, done, context, heard = asyncio.run(main())
+    error = c.of("error")[0]["error"]
+    assert error["param"] == "session.audio.output.voice" and "Chelsie" in error["message"]  # the omni voices
+    assert not c.of("conversation.item.input_audio_transcription.completed")  # heard, not transcribed
+    cut = c.index(c.of("input_audio_buffer.speech_started")[1])
+    assert max(i for i, e in enumerate(c.events) if e["type"] == "response.output_audio.delta"
+               and e["response_id"] == r1) < cut
+    first_done = next(e for e in c.of("response.done") if e["response"]["id"] == r1)["response"]
+    assert (first_done["status"], first_done["status_details"]["reason"]) == ("cancelled", "turn_detected")
+    item_id = first_done["output"][0]["id"]
+    assert c.of("conversation.item.truncated", item_id=item_id)[0]["audio_end_ms"] == 10
+    assert done["response"]["status"] in ("completed", "incomplete")  # incomplete: max_output_tokens
+    r2 = done["response"]["id"]
+    transcript = "".join(e["delta"] for e in c.of("response.output_audio_transcript.delta", response_id=r2))
+    pcm = b"".join(base64.b64decode(e["delta"]) for e in c.of("response.output_audio.delta", response_id=r2))
+    # the model heard both utterances (16 kHz, whole, with the VAD's padding and the silence that ended them)
+    assert len(heard) == 2 and all(len(x) * 2 // 3 <= len(a) <= len(x) * 2 // 3 + 16_000 * 1.1
+                                   for a, x in zip(heard, (first, second)))
+    users = [m["content"] for m in context if m["role"] == "user"]
+    assert len(users) == 2 and all(part[0]["type"] == "input_audio" for part in users)
+    assert context[-1]["role"] == "assistant" and context[-1]["content"] == transcript
+    params = SamplingParams(temperature=0.8, max_tokens=12, seed=0)
+    want = submit(engine, context[:-1], SpeechOutput("Chelsie", 0), params).result(timeout=120)
+    assert transcript == want["choices"][0]["text"] and transcript
+    got = np.frombuffer(pcm, "<i2").astype(np.float32) / 32767
+    np.testing.assert_allclose(got, want["audio"].numpy(), rtol=0, atol=1e-4)

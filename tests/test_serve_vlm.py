@@ -65,7 +65,21 @@ kv_cache_mb = 8
 block_size = 4
 """ + ("" if name == "llama-demo" else "[models.vlm]\nmax_images = 2\n")
                      for name in ("llava-demo", "qwen-vl-demo", "llama-demo", "qwen2-audio-demo", "omni-demo"))
-    srv = Server(paths["root"], models)
+    # omni-voice: a realtime speech-to-speech voice on omni-demo; audio paced 20 ms ahead of playback, so a reply
+    # is still being sent when the client talks over it
+    voices = """
+[realtime.voice]
+vad = "energy"
+delta_ms = 20
+max_lead_ms = 20
+max_input_age_ms = 60000
+[[voices]]
+name = "omni-voice"
+omni = "omni-demo"
+max_output_tokens = 12
+seed = 0
+"""
+    srv = Server(paths["root"], voices + models)
     yield srv
     srv.stop()
 
@@ -255,3 +269,55 @@ def test_a_spoken_reply_through_the_openai_client(client, paths):
     streamed = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32767
     np.testing.assert_allclose(streamed, wav.numpy(), rtol=0, atol=1e-4)
     assert chunks[-1].usage.completion_tokens == len(ids[0]) - inputs["input_ids"].shape[1]
+
+
+def test_a_realtime_omni_voice_through_the_openai_client(server):
+    """WS /v1/realtime on the omni voice with the official SDK: a committed audio turn is answered in speech (its
+    transcript the reply's text); speech while the next reply is being made (server_vad) cancels it (a barge-in),
+    and the interrupting turn is answered. (Talking over audio already playing: test_omni_speech.py.)"""
+    import asyncio
+    import json
+
+    from tests.test_realtime_voice_support import append_event, voiced
+
+    async def until(conn, seen, kind, **fields):
+        async for event in conn:
+            seen.append(event)
+            if event.type == kind and all(getattr(event, k) == v for k, v in fields.items()):
+                return event
+        raise AssertionError(f"the socket closed before {kind}")
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        seen = []
+        async with client.realtime.connect(model="omni-voice") as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            await conn.input_audio_buffer.append(audio=json.loads(append_event(voiced(1.0, seed=3)))["audio"])
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            first = await until(conn, seen, "response.done")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 300}}}})
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "And again?"}]})
+            await conn.response.create()
+            # the user talks at once: events apply in order, so the reply is still being made when speech starts
+            talk = np.concatenate([voiced(0.6, seed=4), np.zeros(12_000, np.float32)])
+            await conn.input_audio_buffer.append(audio=json.loads(append_event(talk))["audio"])
+            created = await until(conn, seen, "response.created")
+            second = await until(conn, seen, "response.done")
+            third = await until(conn, seen, "response.done")  # the answer to the interruption
+        return first, (created, second, third), seen
+
+    first, (created, second, third), seen = asyncio.run(asyncio.wait_for(main(), 180))
+    text = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta"
+                   and e.response_id == first.response.id)
+    pcm = [e.delta for e in seen if e.type == "response.output_audio.delta" and e.response_id == first.response.id]
+    assert first.response.status in ("completed", "incomplete") and text and pcm
+    assert first.response.output[0].content[0].transcript == text
+    assert sum(len(base64.b64decode(d)) for d in pcm) % 2 == 0  # pcm16 at 24 kHz
+    assert second.response.id == created.response.id
+    assert (second.response.status, second.response.status_details.reason) == ("cancelled", "turn_detected")
+    assert any(e.type == "input_audio_buffer.speech_started" for e in seen)
+    assert third.response.status in ("completed", "incomplete")
+    assert any(e.type == "response.output_audio.delta" and e.response_id == third.response.id for e in seen)

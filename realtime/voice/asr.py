@@ -157,6 +157,10 @@ class AsrLane:
             if not future.done():
                 future.set_result("")
 
+    def take_audio(self, item_id: str) -> None:
+        """The lane keeps no audio for the session: its items are heard through their transcripts."""
+        return None
+
     async def idle(self) -> None:
         """Wait until every queued op has been applied (tests, benchmarks)."""
         await self._ops.join()

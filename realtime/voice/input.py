@@ -17,6 +17,7 @@ import numpy as np
 
 from realtime.voice.asr import AsrLane
 from realtime.voice.audio_codec import PCM16, AudioFormat, StreamResampler
+from realtime.voice.heard_audio import HeardAudioLane
 from realtime.voice.items import new_id
 from realtime.voice.protocol import ProtocolError, TurnDetection
 from realtime.voice.vad import SAMPLE_RATE, WINDOW, TurnDetector, VadEvent, VadLoader, VadParams
@@ -48,7 +49,7 @@ class RingAudio:
 
 
 class VoiceInput:
-    def __init__(self, asr: AsrLane, vad: VadLoader, *, min_speech_ms: int):
+    def __init__(self, asr: AsrLane | HeardAudioLane, vad: VadLoader, *, min_speech_ms: int):
         self.asr = asr
         self.vad = vad
         self.min_speech_ms = min_speech_ms

@@ -101,6 +101,7 @@ class InputBufferControl:
     async def _add_user_audio(self, item: Item) -> None:
         item_id = item.id
         previous = self.conversation.add(item)
+        self.hear(item)
         await self.emit({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item_id})
         await self.emit({"type": "conversation.item.created", "previous_item_id": previous,
                          "item": item.wire(self.config.beta)})

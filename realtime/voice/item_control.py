@@ -41,10 +41,21 @@ class ItemControl:
         if samples is not None:
             self._announced[item.id] = asyncio.Event()
             self.asr.oneshot(item.id, resample(samples, self.config.input_format.rate, SAMPLE_RATE))
+            self.hear(item)
         await self.emit({"type": "conversation.item.created", "previous_item_id": previous,
                          "item": item.wire(self.config.beta)})
         if item.id in self._announced:
             self._announced[item.id].set()
+
+    def hear(self, item: Item) -> None:
+        """An omni voice keeps a user item's audio for its model to hear (the ASR lane keeps none); only the latest
+        `max_heard` items (the model's audio parts per request) keep theirs."""
+        item.audio = self.asr.take_audio(item.id)
+        if item.audio is None:
+            return
+        heard = [i for i in self.conversation if i.audio is not None]
+        for older in heard[:-self.max_heard] if self.max_heard else heard:
+            older.audio = None
 
     async def _item_truncate(self, event: dict, inbound: Inbound) -> None:
         item = self.conversation.get(event.get("item_id"))

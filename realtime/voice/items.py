@@ -14,6 +14,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from realtime.voice.protocol import ProtocolError, content_type
 
 
@@ -39,6 +41,7 @@ class Item:
     audio_ms: float = 0.0  # assistant audio: milliseconds sent to the client
     phrases: list[Phrase] = field(default_factory=list)  # assistant audio: the phrases laid out on its audio
     heard_ms: float | None = None  # truncated here (None: all of it was heard, or it has no audio)
+    audio: np.ndarray | None = None  # user audio an omni voice hears (16 kHz); the cascade keeps transcripts only
 
     @property
     def history_text(self) -> str:

@@ -1,4 +1,5 @@
-"""One response of a voice session: the turn's graph (ASR -> LLM ⇢ TTS, one engine request), then paced audio.
+"""One response of a voice session: the turn's graph (ASR -> LLM ⇢ TTS, one engine request; or an omni model's
+thinker -> talker -> token2wav), then paced audio.
 
 The engine runs the cascade as one graph with a streaming edge (pipelines/voice_turn.py): when the
 response starts at the end of the user's turn, its graph's asr node makes the final decode of the
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipelines.chat import ChatRequest
+from pipelines.omni import SpeechOutput
 from pipelines.tts import SpeechRequest
 from pipelines.voice_turn import HeardSpeech, VoiceTurnRequest
 from realtime.voice.audio_codec import AudioFormat
@@ -31,6 +35,8 @@ from realtime.voice.items import Item, Phrase
 from realtime.voice.protocol import ResponseParams, event_name
 from stages.events import EventKind, StageError
 from stages.llm.params import SamplingParams
+from stages.request_state import RequestHandle
+from stages.speech.audio_dsp import resample
 
 if TYPE_CHECKING:
     from realtime.voice.asr import Claim
@@ -173,7 +179,7 @@ class ResponseRunner:
             raise StaleResponse
         await self._open()
 
-    async def _generate(self, messages: list[dict[str, str]], heard: HeardSpeech | None) -> str | None:
+    async def _generate(self, messages: list[dict[str, Any]], heard: HeardSpeech | None) -> str | None:
         r = self.r
         audio: asyncio.Queue | None = asyncio.Queue() if r.audio else None
         if audio is not None:
@@ -192,9 +198,9 @@ class ResponseRunner:
                 raise result
         return finish
 
-    async def _submit(self, fn, *args, **kwargs):
+    async def _submit(self, submitting: Awaitable[RequestHandle]) -> RequestHandle:
         """An engine call (tokenizing is off the event loop); its handle is cancelled with the response."""
-        submitted = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+        submitted = asyncio.ensure_future(submitting)
         try:
             handle = await asyncio.shield(submitted)
         except asyncio.CancelledError:  # the session is closing: the request must not run on unseen
@@ -206,19 +212,26 @@ class ResponseRunner:
         self.r.handles.append(handle)
         return handle
 
-    async def _turn(self, messages: list[dict[str, str]], heard: HeardSpeech | None,
+    async def _turn(self, messages: list[dict[str, Any]], heard: HeardSpeech | None,
                     audio: asyncio.Queue | None) -> str | None:
-        """The turn's one graph ([asr ->] llm ⇢ tts, pipelines/voice_turn.py): the transcript goes back to the lane,
-        text deltas go out as transcript (or text) deltas, audio deltas, in phrase order, to the sender. Returns
-        the LLM's finish reason."""
+        """The turn's one graph: a cascade's [asr ->] llm ⇢ tts (pipelines/voice_turn.py), or an omni model's
+        [media_decode -> audio_encode ->] llm [-> talker -> token2wav]. The transcript goes back to the lane, text
+        deltas go out as transcript (or text) deltas, audio, in order, to the sender. Returns the LLM's finish
+        reason."""
         s, r = self.s, self.r
         params = SamplingParams(temperature=r.params.temperature, max_tokens=r.params.max_output_tokens,
                                 seed=s.spec.seed)
-        speech = SpeechRequest("", voice=r.voice, speed=r.speed, sample_rate=r.output_rate,
-                               tenant=s.tenant) if r.audio else None
-        request = VoiceTurnRequest(ChatRequest(messages=messages, params=params, tenant=s.tenant), speech, heard)
         r.timings.llm_submit = s.clock()
-        handle = await self._submit(s.engine.submit_voice_turn, s.spec.name, request, fence=self.current)
+        if s.spec.omni:
+            speech = SpeechOutput(r.voice, secrets.randbits(31) if s.spec.seed is None else s.spec.seed)
+            chat = ChatRequest(messages=messages, params=params, tenant=s.tenant, speech=speech if r.audio else None)
+            handle = await self._submit(s.engine.asubmit_chat(s.spec.omni, chat, fence=self.current))
+        else:
+            tts = SpeechRequest("", voice=r.voice, speed=r.speed, sample_rate=r.output_rate,
+                                tenant=s.tenant) if r.audio else None
+            request = VoiceTurnRequest(ChatRequest(messages=messages, params=params, tenant=s.tenant), tts, heard)
+            handle = await self._submit(asyncio.to_thread(s.engine.submit_voice_turn, s.spec.name, request,
+                                                          fence=self.current))
         finish = None
         name = "response.output_audio_transcript.delta" if r.audio else "response.output_text.delta"
         try:
@@ -237,8 +250,8 @@ class ResponseRunner:
                     await s.emit({"type": event_name(name, s.config.beta), "response_id": r.id,
                                   "item_id": r.item.id, "output_index": 0, "content_index": 0, "delta": text},
                                  guard=self.current)
-                elif event.kind is EventKind.STAGE_STARTED and event.stage == "tts":
-                    r.timings.tts_submit = s.clock()  # the first phrase was handed to the TTS
+                elif event.kind is EventKind.STAGE_STARTED and event.stage in ("tts", "talker"):
+                    r.timings.tts_submit = s.clock()  # the first phrase (or the reply) was handed to the speech
                 elif event.kind is EventKind.DELTA and event.stage == "tts" and audio is not None:
                     if r.timings.tts_first is None:
                         r.timings.tts_first = s.clock()
@@ -248,9 +261,13 @@ class ResponseRunner:
                     raise StageError.from_event(event)
                 elif event.kind is EventKind.FINAL:
                     outputs = event.data["outputs"]
-                    llm = outputs["llm"] if r.audio else outputs
+                    llm = outputs["llm"] if "llm" in outputs else outputs
                     r.usage = dict(llm.get("usage") or {})
                     finish = (llm.get("choices") or [{}])[0].get("finish_reason") or finish
+                    if audio is not None and "audio" in outputs:  # an omni reply: its whole waveform, one phrase
+                        r.timings.tts_first = s.clock()
+                        samples = np.asarray(outputs["audio"], np.float32)
+                        await audio.put((r.item.text, resample(samples, outputs["sample_rate"], r.output_rate)))
         finally:
             if audio is not None:
                 audio.put_nowait(None)  # the sender ends too (after what it has), whatever happened here

@@ -4,7 +4,9 @@ The transport hands client events to `receive` (one inbound mailbox per session,
 by one worker) and attaches a sender to the session's Outbox (the one writer: numbered, journalled
 events). The cascade: input audio -> VAD (input.py) -> streaming ASR (asr.py) ->
 the language model on the final transcript -> phrase-level TTS -> paced audio deltas
-(response.py). VoiceSession is the coordinator: its state, the mailbox and its worker, the outbound side
+(response.py). An omni voice: input audio -> VAD -> the user's audio kept on its item (heard_audio.py) ->
+the omni model hears it and speaks (thinker -> talker -> token2wav) -> paced audio deltas.
+VoiceSession is the coordinator: its state, the mailbox and its worker, the outbound side
 and the idle timer. The client's events are applied by one part per idea, each a mixin over that state:
 the input audio buffer (input_buffer.py), conversation items and transcripts (item_control.py),
 responses (turns.py) and the session's own configuration and control events (session_control.py).
@@ -32,6 +34,7 @@ from pipelines.config import VoiceSessionConfig, VoiceSpec
 from realtime.sessions import Outbox, error_event
 from realtime.voice.asr import AsrLane
 from realtime.voice.audio_codec import b64encode, encode
+from realtime.voice.heard_audio import HeardAudioLane
 from realtime.voice.input import VoiceInput
 from realtime.voice.input_buffer import InputBufferControl
 from realtime.voice.item_control import ItemControl
@@ -62,14 +65,19 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
         self.engine, self.spec, self.limits = engine, spec, limits
         self.id, self.resume_token, self.outbox = session_id, resume_token, outbox
         self.tenant, self.clock, self.metrics = tenant, clock, engine.metrics.part(VoiceMetrics)
-        self.voices = tuple(engine.models[spec.tts].voices)
+        self.voices = tuple(engine.models[spec.omni or spec.tts].voices)
         self.config = SessionConfig(voice=spec.voice or self.voices[0], instructions=spec.instructions,
                                     max_output_tokens=spec.max_output_tokens, beta=beta)
         self.epoch = 0  # the fence: bumped by every interruption
         self.response: Response | None = None  # the active response
         self.conversation = Conversation(limits.max_items)
         self.playback = PlaybackClock()
-        self.asr = AsrLane(self._transcriber, self)
+        self.asr: AsrLane | HeardAudioLane
+        if spec.omni:  # the model hears the audio itself: kept, not transcribed
+            omni = engine.chat_model(spec.omni)
+            self.asr, self.max_heard = HeardAudioLane(omni.max_audio_s(engine.config.media)), omni.vlm.max_audios
+        else:
+            self.asr, self.max_heard = AsrLane(self._transcriber, self), 0
         self.input = VoiceInput(self.asr, vad, min_speech_ms=limits.min_speech_ms)
         self.input.configure(self.config.input_format, self.config.turn_detection)
         self.stale_chunks_dropped = 0  # audio of an old epoch stopped at the fence

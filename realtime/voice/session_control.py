@@ -25,7 +25,7 @@ class SessionControl:
         beta = self.config.beta or (not self._updated and isinstance(session, dict) and is_beta_session(session))
         config = apply_session_update(self.config, session, model=self.spec.name, voices=self.voices,
                                       max_tokens_cap=self.spec.max_output_tokens, voice_locked=self._voice_used)
-        if (config.transcription_language, config.transcription_prompt) != \
+        if not self.spec.omni and (config.transcription_language, config.transcription_prompt) != \
                 (self.config.transcription_language, self.config.transcription_prompt):
             try:
                 self._transcriber(config)

@@ -12,9 +12,12 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from pipelines.voice_turn import HeardSpeech
+from realtime.voice.audio_codec import b64encode
+from realtime.voice.heard_audio import SAMPLE_RATE as HEARD_RATE
 from realtime.voice.items import Item, new_id
 from realtime.voice.protocol import ProtocolError, ResponseParams, event_name, parse_response_params
 from realtime.voice.response import Response, ResponseRunner, Timings, response_object
+from stages.media.audio_encode import encode_audio
 
 if TYPE_CHECKING:
     from realtime.voice.asr import Claim, Handover
@@ -75,11 +78,11 @@ class ResponseControl:
         await self.emit({"type": "response.created", "response": self._response_body(r, "in_progress")})
         r.task = asyncio.create_task(ResponseRunner(self, r).run(), name=f"response-{r.id}")
 
-    async def context_for(self, r: Response) -> list[dict[str, str]]:
+    async def context_for(self, r: Response) -> list[dict[str, Any]]:
         """The chat messages of a response, once every user transcript in them is final (the LLM gate)."""
         return (await self._context(r, None))[0]
 
-    async def turn_context(self, r: Response) -> tuple[list[dict[str, str]], HeardSpeech | None]:
+    async def turn_context(self, r: Response) -> tuple[list[dict[str, Any]], HeardSpeech | None]:
         """context_for, except when the response took over the final decode of the utterance that ended the turn:
         then that item's message is a placeholder its graph's asr node fills (the HeardSpeech), and only the
         other transcripts are waited for."""
@@ -103,11 +106,16 @@ class ResponseControl:
         for item in items:
             if (heard is None or item.id != heard[0]) and item.transcript is not None and not item.transcript.done():
                 await asyncio.shield(item.transcript)
-        messages, speech = list(system), None
+        messages: list[dict[str, Any]] = list(system)
+        speech = None
         for item in items:
             if heard is not None and item.id == heard[0]:
                 speech = HeardSpeech(heard[1].request, len(messages), heard[1].earlier)
                 messages.append({"role": item.role, "content": ""})
+            elif item.audio is not None:  # an omni voice hears the user's audio itself
+                wav = b64encode(encode_audio(item.audio, HEARD_RATE, "wav"))
+                messages.append({"role": item.role, "content": [
+                    {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}]})
             elif item.history_text.strip():
                 messages.append({"role": item.role, "content": item.history_text})
         return messages, speech

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pipelines.chat import ChatRequest
+from pipelines.served import SPOKEN_CHAT_TASK
 from serve.auth import tenant_of
 from serve.models import resolve_model
 from serve.responses import event_stream, result_or_cancel
@@ -34,7 +35,6 @@ from stages.request_state import RequestHandle
 
 router = APIRouter()
 CHAT_TASK = "chat"  # ModelInfo.tasks of a causal LM
-SPOKEN_TASK = "spoken-chat"  # ... of a chat model that can speak its reply (modalities ["text", "audio"])
 AUDIO_TTL_S = 3600  # message.audio.expires_at: we keep no audio for follow-up turns; the client holds it
 
 
@@ -42,7 +42,7 @@ AUDIO_TTL_S = 3600  # message.audio.expires_at: we keep no audio for follow-up t
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
     model = resolve_chat_model(engine, body.model)
-    speech = body.speech_output(model, SPOKEN_TASK in engine.models[model].tasks)
+    speech = body.speech_output(model, SPOKEN_CHAT_TASK in engine.models[model].tasks)
     params = body.sampling_params()  # the model checks its token ids against the vocabulary, once
     audio = {"id": f"audio_{uuid.uuid4().hex}", "expires_at": int(time.time()) + AUDIO_TTL_S}
     spoken_stream = speech is not None and body.stream
