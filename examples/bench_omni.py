@@ -6,9 +6,13 @@ One run is --requests spoken chat requests (text in, text + 24 kHz audio out, gr
 seed and prompt):
 
   mmserve       all submitted at once to an engine serving the checkpoint: the thinker's steps batch across
-                the requests (the llm stage), then each request's talker and token2wav.
+                the requests (the llm stage), each request's talker, token2wav's DiT for the batch in one call,
+                the vocoder per request on two replicas.
   transformers  Qwen2_5OmniForConditionalGeneration.generate(), one request after another (torch.manual_seed
-                before each), as a script serving them would.
+                before each), as a script serving them would: in a process of its own (an engine's worker threads
+                each hold an OpenMP team; with more OpenMP threads than cores libgomp stops spinning, which slows
+                another side's small ops in the same process 2-3x, measured). Its runs are timed inside that
+                process.
 
 Both sides are warmed with one run first; then --rounds rounds, the side that goes first alternating. Every run
 is printed with the load average, then the medians and the throughput ratio (transformers' time / mmserve's).
@@ -39,6 +43,31 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def transformers_side(conn, path: str, voice: str | None, tokens: int, requests: list) -> None:
+    """The baseline in a process of its own, as a script serving the requests would run: load once, then on each
+    "run" generate() the requests one after another and send back (seconds, [(reply ids, waveform)])."""
+    import torch
+    from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    voice = voice or next(iter(model.speaker_map))
+    eos = [model.talker.codec_pad_token, model.talker.codec_eos_token]
+    conn.send(voice)
+    while conn.recv() == "run":
+        started = time.perf_counter()
+        results = []
+        for messages, seed in requests:
+            inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True, return_tensors="pt")
+            torch.manual_seed(seed)
+            with torch.inference_mode():
+                ids, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=tokens,
+                                          talker_eos_token_id=eos)
+            results.append((ids[0, inputs["input_ids"].shape[1]:].tolist(), wav.numpy()))
+        conn.send((time.perf_counter() - started, results))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", help="a Qwen2.5-Omni checkpoint with its talker (default: the demo, random weights)")
@@ -48,8 +77,9 @@ def main() -> None:
     p.add_argument("--voice", default=None, help="a speaker of the checkpoint (default: its first)")
     args = p.parse_args()
 
-    import torch
-    from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
+    import multiprocessing
+
+    import numpy as np
 
     from pipelines.chat import ChatRequest
     from pipelines.config import EngineConfig, ModelSpec
@@ -63,11 +93,12 @@ def main() -> None:
             from pipelines.demo import build_demo_model
 
             path = str(build_demo_model("qwen2_5_omni", Path(tmp) / "omni"))
-        model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
-        processor = AutoProcessor.from_pretrained(path)
-        voice = args.voice or next(iter(model.speaker_map))
-        eos = [model.talker.codec_pad_token, model.talker.codec_eos_token]
         requests = [([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], 100 + i) for i in range(args.requests)]
+        conn, child_conn = multiprocessing.get_context("spawn").Pipe()
+        baseline = multiprocessing.get_context("spawn").Process(
+            target=transformers_side, args=(child_conn, path, args.voice, args.tokens, requests), daemon=True)
+        baseline.start()
+        voice = conn.recv()
         engine = Engine(EngineConfig(models=(ModelSpec("omni", path, family="vlm"),)))
         engine.start()
         try:
@@ -80,17 +111,8 @@ def main() -> None:
                 return time.perf_counter() - started, results
 
             def theirs() -> tuple[float, list]:
-                started = time.perf_counter()
-                results = []
-                for messages, seed in requests:
-                    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=True, return_tensors="pt")
-                    torch.manual_seed(seed)
-                    with torch.inference_mode():
-                        ids, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=args.tokens,
-                                                  talker_eos_token_id=eos)
-                    results.append((ids[0, inputs["input_ids"].shape[1]:].tolist(), wav))
-                return time.perf_counter() - started, results
+                conn.send("run")
+                return conn.recv()
 
             ours()
             theirs()  # warm both
@@ -107,9 +129,10 @@ def main() -> None:
                           f"(load {load()})")
                 if r == 0:
                     same = all(m["choices"][0]["token_ids"] == ids and m["audio"].shape == wav.shape
-                               and bool(torch.allclose(m["audio"], wav, atol=1e-5))
+                               and bool(np.allclose(m["audio"].numpy(), wav, rtol=0, atol=1e-5))
                                for m, (ids, wav) in zip(mine, reference))
-                    print(f"round 1: mmserve's text and audio {'equal' if same else 'DIFFER from'} transformers'")
+                    print(f"round 1: mmserve's text and audio {'equal' if same else 'DIFFER from'} transformers' "
+                          "(waveforms within 1e-5)")
             audio_s = sum(len(m["audio"]) for m in mine) / 24000
             ours_med, theirs_med = statistics.median(times["mmserve"]), statistics.median(times["transformers"])
             print(f"\nmedians over {args.rounds} rounds (load {load()}), {audio_s:.2f} s of audio a run:")
@@ -118,6 +141,8 @@ def main() -> None:
             print("  time to first audio / whole run: 1.00 (no streamed audio yet: a request's audio comes whole)")
         finally:
             engine.shutdown()
+            conn.send("stop")
+            baseline.join(timeout=30)
 
 
 if __name__ == "__main__":

@@ -154,11 +154,23 @@ DEFAULT_POOLS = {
     "text_encode": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256),
     "denoise": PoolConfig(max_batch_size=8, max_delay_ms=0.0, max_queue=64),
     "vae_decode": PoolConfig(max_batch_size=4, max_delay_ms=2.0, max_queue=256),
+    # An omni model's speech (pipelines/omni.py): token2wav's flow matching runs a batch's jobs in one DiT call; the
+    # talker and the vocoder run one request at a time inside a batch.
+    "talker": PoolConfig(max_batch_size=8, max_delay_ms=0.0, max_queue=256),
+    "token2wav": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256),
+    "vocoder": PoolConfig(max_batch_size=1, max_queue=256),
 }
 # On a CPU a VAE decode is compute-bound and its activations outgrow the caches as the batch grows: past two images
 # a call decodes slower per image (measured with examples/bench_images.py's checkpoint: 4 images at 256x256 cost 8 %
 # more each than 1 or 2; at 128x128, 2 are the fastest).
-CPU_POOLS = {"vae_decode": PoolConfig(max_batch_size=2, max_delay_ms=2.0, max_queue=256)}
+CPU_POOLS = {"vae_decode": PoolConfig(max_batch_size=2, max_delay_ms=2.0, max_queue=256),
+             # An omni model's speech on a CPU: small ops (the talker's steps, the DiT and vocoder of a tiny token2wav)
+             # run faster on one torch thread than on a team of two in a worker thread, and the vocoder's two
+             # replicas (half the cores each) decode two replies side by side. Measured with examples/bench_omni.py's
+             # demo checkpoint on 2 cores, 8 spoken replies: see examples/RESULTS.md.
+             "talker": PoolConfig(max_batch_size=8, max_queue=256),
+             "token2wav": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256, threads=1),
+             "vocoder": PoolConfig(max_batch_size=1, max_queue=256, replicas=2)}
 # A video model's VAE decode on a CPU: two replicas, each a team of half the cores, so two batches decode side by
 # side. Wan's VAE decodes a latent one frame at a time (causal 3D convolutions with a feature cache), ops too small to
 # keep one team of every core busy. Measured with examples/bench_video.py's Wan checkpoint on 2 cores (4 concurrent

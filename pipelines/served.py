@@ -24,7 +24,7 @@ from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
 from pipelines.image_request import ImageLimits, ImageRequest, ModelNotFound, RequestError, Task
-from pipelines.omni import TalkerStage, Token2WavStage, not_speaking
+from pipelines.omni import TalkerStage, Token2WavStage, VocoderStage, not_speaking
 from pipelines.registry import family_class
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
@@ -324,7 +324,8 @@ class ServedVLM(ServedChat):
         speech = ()
         if model.voice is not None:
             speech = (("talker", TalkerStage(self.name, model.voice), None),
-                      ("token2wav", Token2WavStage(self.name, model.voice), None))
+                      ("token2wav", Token2WavStage(self.name, model.voice), None),
+                      ("vocoder", VocoderStage(self.name, model.voice), None))
         return (("media_decode", decode, self.ctx.media_pool),
                 *((kind, stage, None) for kind, stage in model.encode_stages.items()), ("llm", model.stage, None),
                 *speech)
@@ -349,12 +350,14 @@ class ServedVLM(ServedChat):
         if request.speech is None:
             return Execution(chain(self.name, "llm"), {"request": generation})
         nodes = (Node("llm", f"{self.name}/llm"), *self._speech_nodes(()))
-        return Execution(StageGraph(nodes, "token2wav"), {"request": generation, "speech": request.speech})
+        return Execution(StageGraph(nodes, "vocoder"), {"request": generation, "speech": request.speech})
 
     def _speech_nodes(self, before: tuple[str, ...]) -> tuple[Node, ...]:
-        """The talker after the thinker's reply (and the node that planned the prompt's media), token2wav after it."""
+        """The talker after the thinker's reply (and the node that planned the prompt's media), token2wav's DiT and
+        vocoder after it."""
         return (Node("talker", f"{self.name}/talker", (*before, "llm")),
-                Node("token2wav", f"{self.name}/token2wav", ("llm", "talker")))
+                Node("token2wav", f"{self.name}/token2wav", ("llm", "talker")),
+                Node("vocoder", f"{self.name}/vocoder", ("token2wav",)))
 
     def execution_with_media(self, request: ChatRequest, parsed: ParsedChat, sources: list[bytes]) -> Execution:
         """A request with media parts, its sources fetched: media_decode -> the encoders its parts need
@@ -371,7 +374,7 @@ class ServedVLM(ServedChat):
         inputs = {"request": request, "decode": DecodeChatMedia(parsed, tuple(sources))}
         if request.speech is None:
             return Execution(StageGraph(nodes, "llm"), inputs)
-        return Execution(StageGraph((*nodes, *self._speech_nodes(("media_decode",))), "token2wav"),
+        return Execution(StageGraph((*nodes, *self._speech_nodes(("media_decode",))), "vocoder"),
                          {**inputs, "speech": request.speech})
 
     def finalize(self, request: ChatRequest, decoded) -> dict[str, Any]:

@@ -140,7 +140,7 @@ DEMO_ASR = AsrConfig(max_new_tokens=32)  # random weights never end a window: ca
 DEMO_LLM = LLMConfig(kv_cache_mb=32)  # the tiny demo LM: 64k tokens of KV (512 bytes a token) is plenty
 SPEEDUP_KEYS = ("graphs", "compile", "step_cache", "fused_kernels")  # ModelSpec's speed-up fields
 POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm", "embed", "vision_encode", "audio_encode", "talker",
-              "token2wav", "tts", "asr")
+              "token2wav", "vocoder", "tts", "asr")
 
 
 @dataclass(frozen=True)
