@@ -168,7 +168,7 @@ CPU_POOLS = {"vae_decode": PoolConfig(max_batch_size=2, max_delay_ms=2.0, max_qu
              # run faster on one torch thread than on a team of two in a worker thread, and the vocoder's two
              # replicas (half the cores each) decode two replies side by side. Measured with examples/bench_omni.py's
              # demo checkpoint on 2 cores, 8 spoken replies: see examples/RESULTS.md.
-             "talker": PoolConfig(max_batch_size=8, max_queue=256),
+             "talker": PoolConfig(max_batch_size=8, max_delay_ms=5.0, max_queue=256),
              "token2wav": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256, threads=1),
              "vocoder": PoolConfig(max_batch_size=1, max_queue=256, replicas=2)}
 # A video model's VAE decode on a CPU: two replicas, each a team of half the cores, so two batches decode side by

@@ -326,17 +326,36 @@ class OmniVoice:
 
         t = torch.linspace(0, 1, num_steps, device=device, dtype=cond.dtype)
         t += sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
+        embed = dit.input_embed
+        speaker_encoder = embed.spk_encoder
         with _BLOCK_DIFF:
             dit._create_block_diff = block_diff  # this call's padding (an instance attribute over the method)
+            # the speaker encoder reads the reference mels, the same at every evaluation: run it once a call
+            embed.spk_encoder = _Once(speaker_encoder)
             try:
                 mel = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1]
             finally:
                 del dit._create_block_diff
+                embed.spk_encoder = speaker_encoder
         return [mel[b, :n].T for b, n in enumerate(frames)]
 
 
 # token2wav's DiT reads its attention blocks from `_create_block_diff`; a batched call sets its own for the call
 _BLOCK_DIFF = threading.Lock()
+
+
+class _Once(torch.nn.Module):
+    """A module whose first output is the output of every later call: for an input that does not change."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.output: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.output is None:
+            self.output = self.inner(x)
+        return self.output
 
 
 class TalkerStage(Stage):

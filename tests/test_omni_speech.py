@@ -125,7 +125,8 @@ def test_the_talker_and_token2wav_batch_across_requests(path, reference):
         assert eng.metrics.stage.max_batch_size("m/talker", "m") >= 2
         assert eng.metrics.stage.max_batch_size("m/token2wav", "m") >= 2
     for i, (prompt, result) in enumerate(zip(prompts, results)):
-        assert_same_speech(result, reference([{"role": "user", "content": prompt}], 20 + i, ("Chelsie", "Ethan")[i % 2]))
+        voice = ("Chelsie", "Ethan")[i % 2]
+        assert_same_speech(result, reference([{"role": "user", "content": prompt}], 20 + i, voice))
 
 
 def test_speech_requests_are_checked_before_any_work(engine, tmp_path):
