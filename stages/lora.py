@@ -1,0 +1,114 @@
+"""LoRA adapters per row of a forward: requests with different adapters (and none) share one batch.
+
+Adapters are loaded the way their users load them (diffusers' `load_lora_weights`, which converts kohya / A1111
+files and reads PEFT and diffusers ones; PEFT for language models): PEFT then wraps each targeted linear layer in a
+`peft.tuners.lora.Linear` holding every adapter's `lora_A`, `lora_B` and scale. `mix_lora_layers` turns PEFT's own
+application off in those layers (their base layer's output is left as it is: the base weights are never changed,
+nothing is fused) and adds, after each forward, the low-rank update of the adapters that `rows_use` names for each
+row of that forward:
+
+    y[rows of adapter i] += w_row * (alpha_i / r_i) * B_i(A_i(x[rows of adapter i]))
+
+the same update PEFT computes for an adapter activated with `set_adapters([...], [w])`, computed only for the rows
+that use it (a gathered low-rank matmul: one pair of small matmuls per adapter in the batch, not per request).
+A row may use several adapters at once, each with its weight.
+
+Rows are the forward's leading dimension: the requests' latents in a denoiser batch (classifier-free guidance's
+two halves are rows too), the prompts in a text encoder batch. A plan of one row applies to every row of a forward
+(one request whatever its batch shape).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+Use = tuple[tuple[str, float], ...]  # one row's adapters and their weights, in the order they are applied
+
+
+@dataclass(frozen=True)
+class RowAdapters:
+    rows: tuple[Use, ...]  # per row of the forward
+
+    @cached_property
+    def groups(self) -> dict[str, tuple[list[int], list[float]]]:
+        """adapter -> (its rows, their weights), adapters in the order rows first name them."""
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        for row, use in enumerate(self.rows):
+            for name, weight in use:
+                rows, weights = out.setdefault(name, ([], []))
+                rows.append(row)
+                weights.append(weight)
+        return out
+
+
+_ROWS: ContextVar[RowAdapters | None] = ContextVar("mmserve_lora_rows", default=None)
+_MIXED: weakref.WeakSet = weakref.WeakSet()  # the layers whose forward hook adds the rows' updates
+
+
+@contextmanager
+def rows_use(rows: Sequence[Use]) -> Iterator[None]:
+    """Within the block, mixed LoRA layers add for row i of each forward the adapters `rows[i]` names (a single
+    row: for every row). No adapter on any row: the base model, untouched."""
+    token = _ROWS.set(RowAdapters(tuple(tuple(use) for use in rows)) if any(rows) else None)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def mix_lora_layers(model: torch.nn.Module) -> int:
+    """Make every PEFT LoRA linear layer of `model` apply adapters per row (`rows_use`) instead of its active ones;
+    call again after each adapter load (loading activates the new adapter). Returns the number of such layers."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            for name in module.lora_A:
+                if name in module.lora_variant:
+                    raise ValueError(f"adapter {name!r}: only plain LoRA mixes per row (not DoRA or other variants)")
+            module.enable_adapters(False)  # PEFT adds nothing itself: the base layer's output, then ours
+            if module not in _MIXED:
+                module.register_forward_hook(_add_row_updates)
+                _MIXED.add(module)
+            count += 1
+    return count
+
+
+def scale_of(module, name: str, weight: float) -> float:
+    """The scale PEFT's `set_scale(name, weight)` gives adapter `name` in `module`: weight * alpha / r (rsLoRA:
+    / sqrt(r)), computed in the same order, so the update is the same float."""
+    rank = module.r[name]
+    return weight * module.lora_alpha[name] / (math.sqrt(rank) if module.use_rslora.get(name, False) else rank)
+
+
+def _add_row_updates(module, args, output: torch.Tensor) -> torch.Tensor:
+    plan = _ROWS.get()
+    if plan is None:
+        return output
+    x = args[0]
+    every_row = len(plan.rows) == 1
+    if not every_row and x.shape[0] != len(plan.rows):
+        raise RuntimeError(f"a LoRA plan of {len(plan.rows)} rows for a forward of {x.shape[0]}")
+    for name, (rows, weights) in plan.groups.items():
+        if name not in module.lora_A:  # this adapter does not touch this layer
+            continue
+        lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+        if every_row:
+            update = lora_b(lora_a(x.to(lora_a.weight.dtype))) * scale_of(module, name, weights[0])
+            output = output + update.to(output.dtype)
+            continue
+        index = torch.tensor(rows, device=x.device)
+        update = lora_b(lora_a(x.index_select(0, index).to(lora_a.weight.dtype)))
+        scales = torch.tensor([scale_of(module, name, w) for w in weights], dtype=update.dtype, device=update.device)
+        update = update * scales.view(-1, *([1] * (update.dim() - 1)))
+        output = output.index_add(0, index, update.to(output.dtype))
+    return output
