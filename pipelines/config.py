@@ -54,6 +54,29 @@ class ParallelConfig:
         return self.cfg * self.ulysses * self.ring
 
 
+MAX_LORA_SCALE = 8.0  # |scale| of one adapter, declared or asked
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter served with its base model (`[[models.loras]]`): loaded at start by diffusers'
+    `load_lora_weights` (a .safetensors file, or a diffusers / PEFT LoRA directory; kohya and A1111 files too)."""
+
+    name: str
+    path: str
+    scale: float = 1.0  # its weight when a request names it without one
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or ":" in self.name:
+            raise ValueError(f"lora name must be a non-empty string without ':', got {self.name!r}")
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"lora {self.name}: path must be a non-empty string")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) \
+                or not abs(self.scale) <= MAX_LORA_SCALE:
+            raise ValueError(f"lora {self.name}: scale must be a number in [-{MAX_LORA_SCALE:g}, "
+                             f"{MAX_LORA_SCALE:g}], got {self.scale!r}")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # the id clients use (`model` field)
@@ -75,6 +98,7 @@ class ModelSpec:
     step_cache: StepCacheConfig = StepCacheConfig()
     fused_kernels: bool = False
     parallel: ParallelConfig = ParallelConfig()  # diffusion only: one denoise replica over several ranks
+    loras: tuple[LoraSpec, ...] = ()  # diffusion only: LoRA adapters a request may name (`lora` field)
     # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
     # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
     # names no model gets a random-weight model only when no real-weight one does its task
@@ -93,6 +117,11 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: random_weights must be true or false, got {self.random_weights!r}")
         if self.parallel.world > 1:
             self._check_parallel()
+        names = [lora.name for lora in self.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {self.name}: lora names must be unique, got {names}")
+        if self.loras and self.parallel.world > 1:
+            raise ValueError(f"model {self.name}: loras with [models.parallel] are not supported yet")
 
     def _check_parallel(self) -> None:
         where, world = f"model {self.name}: ", self.parallel.world

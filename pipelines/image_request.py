@@ -73,6 +73,8 @@ class ImageRequest:
     source: DecodeImages | None = None
     # A realtime session's id: all its frames go to one replica of a placed pool (Stage.affinity); None: any.
     session: str | None = None
+    # LoRA adapters of the model (`[[models.loras]]`) and their weights: ((name, scale or None: the declared), ...)
+    lora: tuple[tuple[str, float | None], ...] = ()
 
     def check_fields(self, *, size_factor: int, default_size: int, limits: ImageLimits) -> None:
         """The checks of the request's own fields, before its input image is decoded or the family's defaults are
@@ -96,7 +98,7 @@ class ImageRequest:
             prompt=self.prompt, task=self.task, negative_prompt=self.negative_prompt, width=width, height=height,
             n=self.n, num_inference_steps=steps, guidance_scale=guidance, seed=seed, strength=self.strength,
             image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews, extra=dict(self.extra),
-            step_cache=step_cache, output=self.output, session=self.session)
+            step_cache=step_cache, output=self.output, session=self.session, lora=self.lora)
 
     def _check(self, *, size_factor: int, default_size: int, default_steps: int | None,
                default_guidance: float | None, limits: ImageLimits,
@@ -131,6 +133,7 @@ class ImageRequest:
                                            f"{limits.max_pixels}", code="unsupported_size")
         if not 1 <= self.n <= limits.max_n:
             raise RequestError("n", f"n must be between 1 and {limits.max_n}; got {self.n}")
+        check_lora(self.lora)
         steps = self.num_inference_steps if self.num_inference_steps is not None else default_steps
         if steps is not None and not 1 <= steps <= limits.max_steps:
             raise RequestError("num_inference_steps", f"num_inference_steps must be between 1 and {limits.max_steps}; "
@@ -155,3 +158,26 @@ class ImageRequest:
                 raise RequestError("mask", f"mask is {self.mask.size[0]}x{self.mask.size[1]} but the image is "
                                            f"{self.image.size[0]}x{self.image.size[1]}; they must match")
         return width, height, steps, guidance, StepCacheParams.parse(self.step_cache)
+
+
+MAX_LORAS = 4  # adapters in one request
+
+
+def check_lora(lora) -> None:
+    """A request's `lora` list on its own (names known to the model are the family's to check): at most MAX_LORAS,
+    each a distinct name with a scale of at most MAX_LORA_SCALE in size. Raises RequestError naming the entry."""
+    from pipelines.config import MAX_LORA_SCALE
+
+    if len(lora) > MAX_LORAS:
+        raise RequestError("lora", f"lora names {len(lora)} adapters; at most {MAX_LORAS} a request",
+                           code="too_many_loras")
+    seen = set()
+    for i, (name, scale) in enumerate(lora):
+        if not isinstance(name, str) or not name or name in seen:
+            raise RequestError(f"lora[{i}].name", f"lora[{i}].name must be a non-empty adapter name, each named "
+                                                  f"once; got {name!r}")
+        seen.add(name)
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not abs(scale) <= MAX_LORA_SCALE):
+            raise RequestError(f"lora[{i}].scale", f"lora[{i}].scale must be a number in [-{MAX_LORA_SCALE:g}, "
+                                                   f"{MAX_LORA_SCALE:g}]; got {scale!r}")

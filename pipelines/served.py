@@ -53,6 +53,7 @@ class ModelInfo:
     size_factor: int = 0  # diffusion: width and height must be multiples of this
     default_size: int = 0  # diffusion: square size used when the request names none
     voices: tuple[str, ...] = ()  # text-to-speech models: the voice names a request may use
+    adapters: tuple[str, ...] = ()  # LoRA adapters a request may name (`lora`)
     video_defaults: dict | None = None  # video models: {"width", "height", "num_frames", "fps", "frame_factor"}
     random_weights: bool = False  # a demo/test checkpoint: real code path, noise out; never a default when a
     #                               real-weight model does the task (model_default.py)
@@ -130,6 +131,7 @@ class ServedDiffusion:
 
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         family = load_family(spec, family_name, ctx.prompt_cache)
+        family.load_loras(spec.loras)  # before the speed-ups wrap the modules
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         family.parallel = spec.parallel
         if spec.parallel.vae:  # the tiled decode's tiles over the ranks: tiling on (video.vae_tile's size)
@@ -152,7 +154,7 @@ class ServedDiffusion:
                                   video_defaults=video, random_weights=random_weights)
         else:
             self.info = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor, family.default_size,
-                                  random_weights=random_weights)
+                                  random_weights=random_weights, adapters=tuple(family.loras))
 
     def close(self) -> None:
         """Stop what runs outside the serving process (a parallel replica's ranks)."""

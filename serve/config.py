@@ -103,7 +103,15 @@ from typing import Any
 from pipelines.asr import ASR_FAMILY, AsrConfig
 from pipelines.chat import LLM_FAMILY, LLMConfig
 from pipelines.chat_parts import VLMConfig
-from pipelines.config import EngineConfig, MediaConfig, ModelSpec, ParallelConfig, RealtimeConfig, VoiceSpec
+from pipelines.config import (
+    EngineConfig,
+    LoraSpec,
+    MediaConfig,
+    ModelSpec,
+    ParallelConfig,
+    RealtimeConfig,
+    VoiceSpec,
+)
 from pipelines.embeddings import CLIP_EMBEDDING_FAMILY, EMBEDDING_FAMILY
 from pipelines.image_request import ImageLimits
 from pipelines.video import VideoConfig
@@ -295,7 +303,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
-                  "video", "random_weights", "parallel") + SPEEDUP_KEYS, where)
+                  "video", "random_weights", "parallel", "loras") + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")
@@ -314,12 +322,29 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
         values["asr"] = _build(AsrConfig, values["asr"], f"{where} asr")
     if "video" in values:  # video = {vae_tiling = true, default_size = [64, 64], limits = {max_frames = 65}}
         values["video"] = _build(VideoConfig, values["video"], f"{where} video")
+    if "loras" in values:  # [[models.loras]] name = "ink", path = "loras/ink.safetensors", scale = 0.8
+        loras = values["loras"]
+        if not isinstance(loras, list):
+            raise ValueError(f"{where} loras: expected an array of tables ([[models.loras]])")
+        values["loras"] = tuple(_lora(table, f"{where} loras #{i + 1}", base) for i, table in enumerate(loras))
     if "parallel" in values:  # parallel = {cfg = 2}
         values["parallel"] = _build(ParallelConfig, values["parallel"], f"{where} parallel")
     for key, cls in (("graphs", GraphConfig), ("compile", CompileConfig), ("step_cache", StepCacheConfig)):
         if key in values:  # graphs = {batch_sizes = [1, 2, 4], sizes = [[512, 512]]}; step_cache = {enabled = true}
             values[key] = _build(cls, values[key], f"{where} {key}")
     return ModelSpec(**values)
+
+
+def _lora(table: Any, where: str, base: Path) -> LoraSpec:
+    """One [[models.loras]] table; its path relative to the config file."""
+    _only(table, _fields(LoraSpec), where)
+    try:
+        spec = LoraSpec(**table)
+    except TypeError as e:  # a required key is missing
+        raise ValueError(f"{where}: name and path are required ({e})") from e
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    return dataclasses.replace(spec, path=str(_path(spec.path, base)))
 
 
 def _voice(table: dict[str, Any], index: int) -> VoiceSpec:

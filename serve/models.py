@@ -51,7 +51,8 @@ def resolve_model(engine, name: str | None, task: str, *, does: str, kind: str, 
 
 def model_object(info, created: int) -> dict[str, Any]:
     """One entry of /v1/models, and GET /v1/models/{id}: OpenAI's model object plus family, tasks,
-    random_weights and (text-to-speech and voice models) voices."""
+    random_weights, (text-to-speech and voice models) voices and (models serving LoRAs) adapters."""
     return {"id": info.id, "object": "model", "created": created, "owned_by": "mmserve", "family": info.family,
             "tasks": list(info.tasks), "random_weights": info.random_weights,
-            **({"voices": list(info.voices)} if info.voices else {})}
+            **({"voices": list(info.voices)} if info.voices else {}),
+            **({"adapters": list(info.adapters)} if info.adapters else {})}

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.image_request import ImageRequest, RequestError, Task
+from pipelines.config import MAX_LORA_SCALE
+from pipelines.image_request import MAX_LORAS, ImageRequest, RequestError, Task
 from stages.diffusion.step_cache import MAX_INTERVAL, MAX_THRESHOLD
 from stages.media.stage import EncodeImages
 
@@ -62,6 +63,15 @@ def json_object(value: Any) -> Any:
     return value
 
 
+class LoraRef(BaseModel):
+    """Extension `lora`: one of the model's adapters (`/v1/models` lists them) and its weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)  # None: the adapter's declared scale
+
+
 class ImageParams(BaseModel):
     """Fields shared by /v1/images/generations (JSON) and /v1/images/edits (multipart)."""
 
@@ -88,8 +98,10 @@ class ImageParams(BaseModel):
     guidance_scale: float | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**63)  # None: random, reported back in the response
     step_cache: StepCacheBody | None = None  # approximate step caching; the model must allow it
+    lora: list[LoraRef] | None = Field(None, max_length=MAX_LORAS)  # the model's LoRA adapters, weighted
 
     _step_cache_json = field_validator("step_cache", mode="before")(json_object)
+    _lora_json = field_validator("lora", mode="before")(json_object)
 
     @field_validator("prompt")
     @classmethod
@@ -116,6 +128,7 @@ class ImageParams(BaseModel):
             n=self.n, num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             seed=self.seed, image=image, mask=mask, tenant=tenant,
             step_cache=self.step_cache.params() if self.step_cache is not None else None,
+            lora=tuple((ref.name, ref.scale) for ref in self.lora or ()),
             # Previews only make sense on a stream; computing them otherwise would waste VAE decodes.
             previews=(self.partial_images or 0) if self.stream else 0, output=self.encoding)
         if strength is not None:

@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import numpy as np
+
+from pipelines.config import LoraSpec
+from pipelines.image_request import ImageRequest, RequestError
 from stages.lora import mix_lora_layers, rows_use
-from tests.helpers import demo_path
+from tests.helpers import demo_path, running_engine, seeded
 
 ATOL = 1e-5  # the gathered rows' matmuls may round differently from the whole batch's (measured below 1e-6)
 
@@ -112,3 +116,114 @@ def test_a_plan_must_describe_every_row(sd, loras):
     with pytest.raises(RuntimeError, match="plan of 2 rows for a forward of 3"), torch.no_grad():
         with rows_use([(("a", 1.0),), ()]):
             ours.unet(latents, torch.tensor(10), encoder_hidden_states=text)
+
+
+@pytest.fixture(scope="module")
+def engine(sd, loras):
+    """The demo SD serving adapters a (declared scale 0.7) and b; requests batch up to 8 in a denoiser forward."""
+    specs = (LoraSpec("a", loras["a"], scale=0.7), LoraSpec("b", loras["b"]))
+    with running_engine(sd, name="sd", max_batch_size=8, loras=specs) as eng:
+        yield eng
+
+
+def reference_image(sd, loras, names, weights, prompt: str, seed: int, steps: int = 3):
+    pipe = pipeline(sd, loras)
+    if names:
+        pipe.set_adapters(names, weights)
+    else:
+        pipe.disable_lora()
+    return pipe(prompt, num_inference_steps=steps, guidance_scale=6.0, generator=seeded(seed),
+                output_type="np").images
+
+
+def test_a_request_with_adapters_equals_diffusers(engine, sd, loras):
+    """`lora` on an image request: the declared scale when it names none; equal to diffusers' set_adapters."""
+    ours = engine.submit_image("sd", ImageRequest(prompt="a red bicycle", num_inference_steps=3, guidance_scale=6.0,
+                                                  seed=3, lora=(("a", None), ("b", 1.3)))).result()
+    want = reference_image(sd, loras, ["a", "b"], [0.7, 1.3], "a red bicycle", 3)
+    np.testing.assert_allclose(ours["pixels"], want, atol=ATOL)
+    assert engine.models["sd"].adapters == ("a", "b")
+
+
+def test_mixed_adapters_share_denoiser_forwards_and_each_equals_its_solo(engine, sd, loras):
+    """A, B, none and A+B at once (and at different step counts): they share denoiser forwards (batch-size metric)
+    and each equals diffusers with its own adapters."""
+    mixes = [(("a", 1.0),), (("b", 0.8),), (), (("a", 0.5), ("b", 1.0))]
+    handles = [engine.submit_image("sd", ImageRequest(prompt=f"prompt {i}", num_inference_steps=3 + i % 2,
+                                                      guidance_scale=6.0, seed=10 + i, lora=mix))
+               for i, mix in enumerate(mixes)]
+    results = [h.result(timeout=120)["pixels"] for h in handles]
+    assert engine.metrics.stage.max_batch_size("sd/denoise", "sd") >= 2
+    for i, (mix, got) in enumerate(zip(mixes, results)):
+        want = reference_image(sd, loras, [n for n, _ in mix], [w for _, w in mix], f"prompt {i}", 10 + i,
+                               steps=3 + i % 2)
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    # the prompt cache keeps each adapter set's embeddings apart: the same prompt under a and under none differ
+    under_a = engine.submit_image("sd", ImageRequest(prompt="prompt 0", num_inference_steps=3, guidance_scale=6.0,
+                                                     seed=10, lora=(("a", 1.0),))).result()["pixels"]
+    plain = engine.submit_image("sd", ImageRequest(prompt="prompt 0", num_inference_steps=3, guidance_scale=6.0,
+                                                   seed=10)).result()["pixels"]
+    np.testing.assert_allclose(under_a, results[0], atol=ATOL)
+    assert np.abs(under_a - plain).max() > 1e-3
+
+
+@pytest.mark.parametrize("lora, param", [
+    ((("nope", None),), "lora[0].name"),
+    ((("a", 9.0),), "lora[0].scale"),
+    ((("a", None), ("a", 1.0)), "lora[1].name"),
+    (tuple((f"x{i}", None) for i in range(5)), "lora"),
+])
+def test_bad_adapters_are_refused_naming_the_entry(engine, lora, param):
+    with pytest.raises(RequestError) as info:
+        engine.submit_image("sd", ImageRequest(prompt="x", num_inference_steps=2, lora=lora))
+    assert info.value.param == param
+
+
+def test_a_file_that_is_not_a_lora_of_the_model_fails_at_load(sd, tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"lora junk \(.*junk.safetensors\) does not load"):
+        with running_engine(sd, name="sd", loras=(LoraSpec("junk", str(junk)),)):
+            pass
+
+
+def test_adapters_through_the_server_and_the_openai_client(sd, loras, tmp_path):
+    """[[models.loras]] in the config: /v1/models lists the adapters under the model; the `lora` extension of
+    /v1/images/generations (the openai client's extra_body) makes diffusers' image; a bad entry is a 400 naming it."""
+    import base64
+    import io
+
+    import httpx
+    import openai
+    from PIL import Image
+
+    from tests.test_serve_support import Server
+
+    config = f"""
+[[models]]
+name = "sd"
+path = "{sd}"
+[[models.loras]]
+name = "a"
+path = "{loras['a']}"
+scale = 0.7
+[[models.loras]]
+name = "b"
+path = "{loras['b']}"
+"""
+    server = Server(tmp_path, config)
+    try:
+        models = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]}
+        assert models["sd"]["adapters"] == ["a", "b"]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        reply = client.images.generate(model="sd", prompt="a red bicycle", size="64x64", extra_body={
+            "num_inference_steps": 3, "guidance_scale": 6.0, "seed": 3, "lora": [{"name": "a"}]})
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(reply.data[0].b64_json))).convert("RGB"))
+        want = reference_image(sd, loras, ["a"], [0.7], "a red bicycle", 3)[0]
+        assert np.abs(got.astype(float) - np.round(want * 255)).max() <= 1
+        with pytest.raises(openai.BadRequestError) as info:
+            client.images.generate(model="sd", prompt="x", size="64x64",
+                                   extra_body={"num_inference_steps": 2, "lora": [{"name": "nope"}]})
+        assert info.value.body["param"] == "lora[0].name" and "['a', 'b']" in info.value.body["message"]
+    finally:
+        server.stop()

@@ -7,6 +7,7 @@ per-request pipeline views, the prompt cache and the speed-ups are the diffusion
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Hashable
 
 import numpy as np
@@ -55,6 +56,10 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
                                    default_steps=self.default_steps, default_guidance=self.default_guidance,
                                    limits=limits)
         self.check_step_cache(request.step_cache)
+        if request.lora:
+            if request.step_cache is not None:
+                raise RequestError("lora", "lora with step_cache is not supported yet: ask for one of them")
+            request = dataclasses.replace(request, lora=self.lora_use(request.lora))
         return request
 
     # -- prepare helpers shared by the image families -----------------------------------------

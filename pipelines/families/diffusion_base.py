@@ -20,8 +20,9 @@ from typing import Any, Generic, Hashable, TypeVar
 import torch
 
 from encoders.cache import EncoderCache
+from pipelines.config import LoraSpec
 from pipelines.families.speedups import DenoiserSpeedups
-from pipelines.image_request import ImageRequest, Task
+from pipelines.image_request import ImageRequest, RequestError, Task
 from pipelines.video import VideoRequest, VideoTask
 from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
@@ -62,6 +63,7 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
             self.pipes[task] = cls(**base.components, **config)
             self.pipes[task].set_progress_bar_config(disable=True)
         self.weights_id = f"{self.family}:{path}"  # enters cache identities; a reload gets a new object anyway
+        self.loras: dict[str, LoraSpec] = {}  # adapters a request may name (load_loras)
         self._vae_lock = threading.Lock()  # the VAE is shared by prepare (encode), previews and decode
         self.speedups = Speedups()
         self.denoiser = DenoiserCall(name)  # every speed-up off until `accelerate`
@@ -75,6 +77,38 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
     def variants(self, base) -> dict[TaskT, type[Any]]:
         """The other tasks' pipeline classes, built on the loaded base's modules."""
         raise NotImplementedError
+
+    def load_loras(self, loras: tuple[LoraSpec, ...]) -> None:
+        """Load each adapter with diffusers' `load_lora_weights` (every format it reads) into the pipeline's
+        modules, then have their LoRA layers apply adapters per row (stages/lora.py): the base weights stay as they
+        are, and a request without adapters runs the base model. A file that is not a LoRA of this model fails here,
+        naming it."""
+        from stages.lora import mix_lora_layers
+
+        for spec in loras:
+            try:
+                self.pipe.load_lora_weights(spec.path, adapter_name=spec.name)
+            except Exception as exc:  # diffusers and PEFT raise many kinds (shape mismatch, missing keys, bad file)
+                raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) does not load: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            self.loras[spec.name] = spec
+        if loras:
+            mixed = sum(mix_lora_layers(module) for module in self.pipe.components.values()
+                        if isinstance(module, torch.nn.Module))
+            if not mixed:
+                raise ValueError(f"model {self.name}: its loras target no linear layer")
+
+    def lora_use(self, lora) -> tuple[tuple[str, float], ...]:
+        """A request's `lora` entries as (adapter, weight) pairs, the declared scale where it names none; an adapter
+        this model does not serve is a RequestError naming the entry."""
+        use = []
+        for i, (name, scale) in enumerate(lora):
+            spec = self.loras.get(name)
+            if spec is None:
+                raise RequestError(f"lora[{i}].name", f"model {self.name} has no LoRA {name!r}; its adapters: "
+                                                      f"{sorted(self.loras)}", code="unknown_lora")
+            use.append((name, float(spec.scale if scale is None else scale)))
+        return tuple(use)
 
     # -- facts the API layer needs --------------------------------------------------------
     @property
@@ -139,12 +173,22 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
         """The unconditional half: the encoded negative prompt ("" when none), or None without guidance."""
         if not self.uses_negative(request):
             return None
-        return self.cached_text(request.negative_prompt or "", request.tenant, options)
+        return self.cached_text(request.negative_prompt or "", request.tenant, options, getattr(request, "lora", ()))
 
-    def cached_text(self, text: str, tenant: str, options: dict | None = None) -> dict[str, torch.Tensor]:
+    def cached_text(self, text: str, tenant: str, options: dict | None = None,
+                    lora: tuple = ()) -> dict[str, torch.Tensor]:
+        """One prompt's embeddings through the prompt cache; `lora` (adapter, weight) pairs enter its identity (an
+        adapter of the text encoder changes the embeddings) and apply to the encode."""
+        from stages.lora import rows_use
+
         options = options or {}
-        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, **options), tuple(sorted(options.items())))
-        return self.prompt_cache.get_or_compute(key, lambda: self.encode_text(text, **options))
+        key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, **options), tuple(sorted(options.items())),
+               lora)
+
+        def encode() -> dict[str, torch.Tensor]:
+            with rows_use([lora]):
+                return self.encode_text(text, **options)
+        return self.prompt_cache.get_or_compute(key, encode)
 
     @torch.inference_mode()
     def encode_prompts(self, items: list[WorkItem]) -> list[dict[str, Any]]:
@@ -152,7 +196,7 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
         for item in items:
             req: RequestT = item.inputs["request"]
             options = self.text_options(req)
-            prompt = self.cached_text(req.prompt, req.tenant, options)
+            prompt = self.cached_text(req.prompt, req.tenant, options, getattr(req, "lora", ()))
             out.append({"cond": self.conditioning(prompt, self.negative(req, prompt, options), req)})
         return out
 

@@ -15,6 +15,7 @@ from stages.diffusion.block_stack import CacheSpec, RowGroup
 from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.diffusion.ranks import RankGroup
 from stages.diffusion.step_cache import StepCacheState
+from stages.lora import rows_use
 from stages.stage import WorkItem
 
 
@@ -103,6 +104,10 @@ class DenoiserSpeedups(SpeedupHost):
 
             cfg = all(item.inputs["cond"]["cfg"] for item in items)
             out = parallel_forward(self, key, fn, batched, shared or {}, cfg and self.parallel.cfg == 2, sizes, groups)
+        rows = [use for item, size in zip(items, sizes) for use in [getattr(item.inputs["request"], "lora", ())] * size]
+        if out is None and any(rows):  # adapters per row (stages/lora.py): eager, outside any captured graph
+            with rows_use(rows):
+                out = fn(**batched, **(shared or {}))
         if out is None:
             out = self.denoiser(key, fn, batched, shared or {}, groups)
         return self.split(out, sizes)
