@@ -4,10 +4,9 @@ forward, each row equal to diffusers with that row's adapters activated by `set_
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-
-import numpy as np
 
 from pipelines.config import LoraSpec
 from pipelines.image_request import ImageRequest, RequestError
