@@ -50,7 +50,7 @@ def save_lora(pipe_path: str, out, seed: int, unet: dict, text: dict | None = No
 def loras(sd, tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     a = save_lora(sd, root / "a", 1, dict(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
-                  dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+                  dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]))
     b = save_lora(sd, root / "b", 2, dict(r=2, lora_alpha=2, target_modules=["to_k", "to_v", "ff.net.2"]))
     return {"a": a, "b": b}
 
@@ -176,6 +176,77 @@ def test_bad_adapters_are_refused_naming_the_entry(engine, lora, param):
     with pytest.raises(RequestError) as info:
         engine.submit_image("sd", ImageRequest(prompt="x", num_inference_steps=2, lora=lora))
     assert info.value.param == param
+
+
+def kohya_file(diffusers_dir: str, out) -> str:
+    """The same adapter in kohya's (A1111's) key format: lora_unet_* / lora_te_* modules with lora_down, lora_up and
+    an alpha tensor each."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {}
+    with safe_open(f"{diffusers_dir}/pytorch_lora_weights.safetensors", "pt") as f:
+        metadata = json.loads(f.metadata()["lora_adapter_metadata"])
+        for key in f.keys():
+            component, rest = key.split(".", 1)
+            path, kind = rest.rsplit(".lora_", 1)
+            prefix = {"unet": "lora_unet_", "text_encoder": "lora_te_"}[component]
+            module = prefix + path.replace(".", "_")
+            tensors[f"{module}.{'lora_down' if kind.startswith('A') else 'lora_up'}.weight"] = f.get_tensor(key)
+            tensors[f"{module}.alpha"] = torch.tensor(float(metadata[f"{component}.lora_alpha"]))
+    save_file(tensors, str(out))
+    return str(out)
+
+
+def test_a_kohya_file_equals_its_diffusers_form(sd, loras, tmp_path):
+    kohya = kohya_file(loras["a"], tmp_path / "a_kohya.safetensors")
+    with running_engine(sd, name="sd", loras=(LoraSpec("k", kohya),)) as eng:
+        ours = eng.submit_image("sd", ImageRequest(prompt="a red bicycle", num_inference_steps=3, guidance_scale=6.0,
+                                                   seed=3, lora=(("k", 0.7),))).result()
+    want = reference_image(sd, loras, ["a"], [0.7], "a red bicycle", 3)
+    np.testing.assert_allclose(ours["pixels"], want, atol=ATOL)
+
+
+def test_flux_requests_with_different_adapters_batch_and_equal_diffusers(tmp_path_factory):
+    """A LoRA of FLUX's transformer (diffusers' format), two requests (with it, without) in one denoiser batch, each
+    equal to diffusers' FluxPipeline with the adapter set (or disabled)."""
+    from diffusers import FluxPipeline
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    from pipelines.demo import build_demo_model
+
+    path = str(build_demo_model("flux", tmp_path_factory.mktemp("flux") / "flux"))
+    pipe = FluxPipeline.from_pretrained(path)
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False)
+    torch.manual_seed(7)
+    inject_adapter_in_model(config, pipe.transformer)
+    with torch.no_grad():
+        for name, param in pipe.transformer.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.2)
+    lora_dir = str(tmp_path_factory.mktemp("flux-lora"))
+    FluxPipeline.save_lora_weights(lora_dir, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
+                                   transformer_lora_adapter_metadata=config.to_dict())
+    call = dict(width=32, height=32, num_inference_steps=3, guidance_scale=4.0)
+    with running_engine(path, max_batch_size=4, loras=(LoraSpec("f", lora_dir),)) as eng:
+        handles = [eng.submit_image("m", ImageRequest(prompt="a red bicycle", seed=2, lora=lora, **call))
+                   for lora in ((("f", 0.9),), ())]
+        got = [h.result(timeout=120)["pixels"] for h in handles]
+        assert eng.metrics.stage.max_batch_size("m/denoise", "m") >= 2
+    ref = FluxPipeline.from_pretrained(path)
+    ref.set_progress_bar_config(disable=True)
+    ref.load_lora_weights(lora_dir, adapter_name="f")
+    for lora, ours in zip(((("f", 0.9),), ()), got):
+        if lora:
+            ref.set_adapters(["f"], [0.9])
+        else:
+            ref.disable_lora()
+        want = ref("a red bicycle", generator=seeded(2), output_type="np", **call).images
+        np.testing.assert_allclose(ours, want, atol=ATOL)
+    assert np.abs(got[0] - got[1]).max() > 1e-3
 
 
 def test_a_file_that_is_not_a_lora_of_the_model_fails_at_load(sd, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import inspect
 import threading
+import warnings
 from typing import Any, Generic, Hashable, TypeVar
 
 import torch
@@ -87,7 +88,9 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
 
         for spec in loras:
             try:
-                self.pipe.load_lora_weights(spec.path, adapter_name=spec.name)
+                with warnings.catch_warnings():  # PEFT warns of a second adapter in a model: that is the point here
+                    warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                    self.pipe.load_lora_weights(spec.path, adapter_name=spec.name)
             except Exception as exc:  # diffusers and PEFT raise many kinds (shape mismatch, missing keys, bad file)
                 raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) does not load: "
                                  f"{type(exc).__name__}: {exc}") from exc
