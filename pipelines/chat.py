@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipelines.chat_parts import checked_message
-from pipelines.image_request import RequestError
+from pipelines.image_request import RequestError, check_lora
 from pipelines.token_bound import max_chars_per_token
 from pipelines.token_texts import TokenTexts
 from stages.cuda_graph_metrics import MetricsObserver
@@ -16,6 +16,9 @@ from stages.llm.runner import ModelRunner
 from stages.llm.scheduler import SchedulerConfig
 from stages.llm.stage import GenerationRequest, LLMStage
 from stages.metrics import Metrics
+
+if TYPE_CHECKING:
+    from pipelines.config import LoraSpec
 
 LLM_FAMILY = "causal-lm"
 
@@ -31,6 +34,8 @@ class ChatRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"  # enters the prefix-cache namespace
     speech: Any = None  # pipelines.omni.SpeechOutput: the reply spoken too (a model with a talker); None: text only
+    # LoRA adapters of the model (`[[models.loras]]`, or the model id "base:adapter") and their weights
+    lora: tuple[tuple[str, float | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,52 @@ class LanguageModel:
         self.max_chars_per_token = max_chars_per_token(tokenizer)  # None: no refusal before tokenizing
         self._tokenized_chars = metrics.llm.tokenized_chars.labels(model=name)
         self.stage = self._llm_stage(config, metrics)
+        self.loras: dict[str, LoraSpec] = {}  # PEFT adapters a request may name (load_loras)
+
+    def load_loras(self, loras: tuple[LoraSpec, ...]) -> None:
+        """Load each PEFT LoRA adapter (a directory with adapter_config.json and adapter_model.safetensors) into the
+        runner's model beside the others, then have its LoRA layers apply adapters per token (stages/lora.py): the
+        base weights stay as they are. An adapter of another model fails here, naming it."""
+        if not loras:
+            return
+        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from stages.lora import mix_lora_layers
+
+        model = self.runner.model
+        for spec in loras:
+            try:
+                config = LoraConfig.from_pretrained(spec.path)
+                if any(m in (config.target_modules or ()) for m in ("lm_head", "embed_tokens")) \
+                        or config.modules_to_save:
+                    raise ValueError("only the decoder's linear layers may be adapted (not lm_head, embeddings or "
+                                     "modules_to_save)")
+                state = load_file(f"{spec.path}/adapter_model.safetensors")
+                state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
+                inject_adapter_in_model(config, model, adapter_name=spec.name)
+                unexpected = getattr(set_peft_model_state_dict(model, state, adapter_name=spec.name),
+                                     "unexpected_keys", [])
+                if unexpected:
+                    raise ValueError(f"keys that are not in this model: {unexpected[:3]}")
+            except Exception as exc:  # PEFT, safetensors and shape mismatches raise many kinds
+                raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) does not load: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            self.loras[spec.name] = spec
+        mix_lora_layers(model)
+
+    def lora_use(self, lora) -> tuple[tuple[str, float], ...]:
+        """A request's `lora` entries as (adapter, weight) pairs, the declared scale where it names none; checked
+        (RequestErrors naming the entry)."""
+        check_lora(lora)
+        use = []
+        for i, (name, scale) in enumerate(lora):
+            spec = self.loras.get(name)
+            if spec is None:
+                raise RequestError(f"lora[{i}].name", f"model {self.name} has no LoRA {name!r}; its adapters: "
+                                                      f"{sorted(self.loras)}", code="unknown_lora")
+            use.append((name, float(spec.scale if scale is None else scale)))
+        return tuple(use)
 
     def _llm_stage(self, config: LLMConfig, metrics: Metrics) -> LLMStage:
         """The llm stage over self.runner, stopping at the model's and the tokenizer's EOS tokens."""
@@ -98,8 +149,9 @@ class LanguageModel:
                     self._check_chars(p, f"prompt[{i}]")
             prompts = [self._checked_ids(self._completion_ids(p, f"prompt[{i}]"), f"prompt[{i}]")
                        for i, p in enumerate(request.prompts)]
-        return GenerationRequest(prompts[0], request.params, (self.weights_id, None, request.tenant),
-                                 more_prompts=tuple(prompts[1:]), keep_hidden=request.speech is not None)
+        lora = self.lora_use(request.lora)
+        return GenerationRequest(prompts[0], request.params, (self.weights_id, lora or None, request.tenant),
+                                 more_prompts=tuple(prompts[1:]), keep_hidden=request.speech is not None, lora=lora)
 
     def _checked_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
         if not ids:

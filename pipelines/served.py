@@ -268,7 +268,9 @@ class ServedChat:
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         self.name = spec.name
         self.model: LanguageModel = self._load(spec, ctx)
-        self.info = ModelInfo(spec.name, family_name, spec.path, self.tasks, random_weights=random_weights)
+        self.model.load_loras(spec.loras)
+        self.info = ModelInfo(spec.name, family_name, spec.path, self.tasks, random_weights=random_weights,
+                              adapters=tuple(self.model.loras))
         self.ctx = ctx
 
     tasks: tuple[str, ...] = ("chat",)

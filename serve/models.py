@@ -56,3 +56,19 @@ def model_object(info, created: int) -> dict[str, Any]:
             "tasks": list(info.tasks), "random_weights": info.random_weights,
             **({"voices": list(info.voices)} if info.voices else {}),
             **({"adapters": list(info.adapters)} if info.adapters else {})}
+
+
+def adapter_id(engine, name: str | None) -> tuple[str, str] | None:
+    """(base model, adapter) when `name` is "base:adapter" (vLLM's convention) for a served model with that LoRA
+    adapter and no model of that very name; else None."""
+    if name is None or name in engine.models or ":" not in name:
+        return None
+    base, adapter = name.rsplit(":", 1)
+    info = engine.models.get(base)
+    return (base, adapter) if info is not None and adapter in info.adapters else None
+
+
+def adapter_objects(models, created: int, task: str) -> list[dict[str, Any]]:
+    """The "base:adapter" model ids of the models doing `task` with LoRA adapters, each naming its `parent`."""
+    return [{**model_object(info, created), "id": f"{info.id}:{adapter}", "parent": info.id}
+            for info in models if task in info.tasks for adapter in info.adapters]

@@ -57,7 +57,8 @@ class Model(BaseModel):
     # extension: a demo/test checkpoint (noise out); a default only when nothing else does the task
     random_weights: bool
     voices: list[str] | None = None  # extension: text-to-speech models only
-    adapters: list[str] | None = None  # extension: the LoRA adapters a request may name (diffusion models)
+    adapters: list[str] | None = None  # extension: the LoRA adapters a request may name
+    parent: str | None = None  # extension: a "base:adapter" id's base model
 
 
 class ModelList(BaseModel):

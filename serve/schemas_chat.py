@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.image_request import RequestError
+from pipelines.image_request import MAX_LORAS, RequestError
 from pipelines.token_texts import TokenTexts
+from serve.schemas import LoraRef
 from stages.llm.params import MAX_N, SamplingParams
 
 # SamplingParams fields a request may set under the same name.
@@ -55,6 +56,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # the model's LoRA adapters, weighted (or name one in `model`: "base:adapter", vLLM's convention)
+    lora: list[LoraRef] | None = Field(None, max_length=MAX_LORAS)
 
     @field_validator("stream_options")
     @classmethod
@@ -62,6 +65,11 @@ class SamplingFields(BaseModel):
         if v is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
+
+    def lora_entries(self, adapter: str | None) -> tuple[tuple[str, float | None], ...]:
+        """The request's adapters: the one its model id names first, then the `lora` field's."""
+        named = ((adapter, None),) if adapter is not None else ()
+        return named + tuple((ref.name, ref.scale) for ref in self.lora or ())
 
     @property
     def include_usage(self) -> bool:

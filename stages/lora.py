@@ -14,8 +14,9 @@ that use it (a gathered low-rank matmul: one pair of small matmuls per adapter i
 A row may use several adapters at once, each with its weight.
 
 Rows are the forward's leading dimension: the requests' latents in a denoiser batch (classifier-free guidance's
-two halves are rows too), the prompts in a text encoder batch. A plan of one row applies to every row of a forward
-(one request whatever its batch shape).
+two halves are rows too), the prompts in a text encoder batch; in a packed token batch ([1, tokens, features], the
+llm stage's), its tokens. A plan of one row applies to every row of a forward (one request whatever its batch
+shape).
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ def _add_row_updates(module, args, output: torch.Tensor) -> torch.Tensor:
         return output
     x = args[0]
     every_row = len(plan.rows) == 1
+    packed = not every_row and x.shape[0] != len(plan.rows) and x.shape[:-1].numel() == len(plan.rows)
+    if packed:  # a packed token batch [1, tokens, features]: a row per token
+        return _add_row_updates(module, (x.reshape(-1, x.shape[-1]),), output.reshape(-1, output.shape[-1])) \
+            .reshape(output.shape)
     if not every_row and x.shape[0] != len(plan.rows):
         raise RuntimeError(f"a LoRA plan of {len(plan.rows)} rows for a forward of {x.shape[0]}")
     for name, (rows, weights) in plan.groups.items():

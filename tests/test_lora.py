@@ -297,3 +297,131 @@ path = "{loras['b']}"
         assert info.value.body["param"] == "lora[0].name" and "['a', 'b']" in info.value.body["message"]
     finally:
         server.stop()
+
+
+# -- language models --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return demo_path(tmp_path_factory, "llama")
+
+
+def save_peft_adapter(base: str, out, seed: int, **config) -> str:
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) with random A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(**config, init_lora_weights=False, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def adapters(llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llm-loras")
+    return {"x": save_peft_adapter(llama, root / "x", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+            "y": save_peft_adapter(llama, root / "y", 2, r=2, lora_alpha=2,
+                                   target_modules=["o_proj", "down_proj", "up_proj"])}
+
+
+def peft_greedy(base: str, adapter: str | None, prompt_ids: list[int], n: int) -> list[int]:
+    """peft's generate() with the adapter (or the base model), greedy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_language_model_adapters_mix_in_one_step_and_equal_peft(llama, adapters):
+    """8 concurrent completions over adapters x, y and none share llm steps; each equals peft's greedy generate();
+    the same prompt under x and under y never shares prefix blocks (the adapter is in the namespace)."""
+    from pipelines.chat import ChatRequest
+    from stages.llm.params import SamplingParams
+
+    specs = (LoraSpec("x", adapters["x"]), LoraSpec("y", adapters["y"], scale=1.0))
+    prompts = [[1, 5 + i, 17, 40 + i] for i in range(8)]
+    uses = [("x",), ("y",), (), ("x",), ("y",), (), ("x",), ("y",)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with running_engine(llama, name="lm", family="causal-lm", loras=specs) as eng:
+        assert eng.models["lm"].adapters == ("x", "y")
+        handles = [eng.submit("lm", ChatRequest(prompt=p, params=greedy, lora=tuple((u, None) for u in use)))
+                   for p, use in zip(prompts, uses)]
+        got = [h.result(timeout=120)["choices"][0]["token_ids"] for h in handles]
+        assert eng.metrics.stage.max_batch_size("lm/llm", "lm") >= 2
+        long = list(range(3, 43))  # 40 tokens: two full KV blocks a later request could reuse
+        again = [eng.submit("lm", ChatRequest(prompt=long, params=greedy, lora=((u, None),))).result(timeout=60)
+                 for u in ("x", "x", "y")]
+        with pytest.raises(RequestError) as info:
+            eng.submit("lm", ChatRequest(prompt=prompts[0], params=greedy, lora=(("z", None),)))
+        assert info.value.param == "lora[0].name"
+    for p, use, tokens in zip(prompts, uses, got):
+        assert tokens == peft_greedy(llama, adapters[use[0]] if use else None, p, 6), use
+    cached = [reply["usage"]["cached_tokens"] for reply in again]
+    assert cached[0] == 0 and cached[1] >= 16 and cached[2] == 0, cached  # x's blocks serve x again, never y
+
+
+def test_language_model_adapters_through_the_server(llama, adapters, tmp_path):
+    """`"model": "lm:x"` (vLLM's convention) and the `lora` field on /v1/chat/completions and /v1/completions
+    through the openai client; /v1/models lists "lm:x" with its parent."""
+    import httpx
+    import openai
+
+    from tests.test_serve_support import Server
+
+    config = f"""
+[[models]]
+name = "lm"
+path = "{llama}"
+family = "causal-lm"
+[models.llm]
+kv_cache_mb = 8
+[[models.loras]]
+name = "x"
+path = "{adapters['x']}"
+[[models.loras]]
+name = "y"
+path = "{adapters['y']}"
+"""
+    server = Server(tmp_path, config)
+    try:
+        models = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]}
+        assert models["lm"]["adapters"] == ["x", "y"] and models["lm:x"]["parent"] == "lm"
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        prompt = [1, 9, 17, 44]
+        want_x, want_y = (peft_greedy(llama, adapters[a], prompt, 5) for a in ("x", "y"))
+        got = client.completions.create(model="lm:x", prompt=prompt, max_tokens=5, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.model == "lm:x"
+        via_field = client.completions.create(model="lm", prompt=prompt, max_tokens=5, temperature=0,
+                                              extra_body={"ignore_eos": True, "lora": [{"name": "y"}]})
+        plain = client.completions.create(model="lm", prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(llama)
+        assert got.choices[0].text == tokenizer.decode(want_x)
+        assert via_field.choices[0].text == tokenizer.decode(want_y)
+        assert plain.choices[0].text == tokenizer.decode(peft_greedy(llama, None, prompt, 5))
+        chat = client.chat.completions.create(model="lm:y", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3, temperature=0)
+        assert chat.model == "lm:y" and chat.choices[0].message.content is not None
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="lm:nope", prompt=prompt, max_tokens=2)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="lm", prompt=prompt, max_tokens=2, extra_body={"lora": [{"name": "z"}]})
+        assert info.value.body["param"] == "lora[0].name"
+    finally:
+        server.stop()

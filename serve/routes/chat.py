@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pipelines.chat import ChatRequest
 from pipelines.served import SPOKEN_CHAT_TASK
 from serve.auth import tenant_of
-from serve.models import resolve_model
+from serve.models import adapter_id, resolve_model
 from serve.responses import event_stream, result_or_cancel
 from serve.routes.speech import _encode_file
 from serve.schemas_chat import (
@@ -41,18 +41,19 @@ AUDIO_TTL_S = 3600  # message.audio.expires_at: we keep no audio for follow-up t
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
-    model = resolve_chat_model(engine, body.model)
+    model, adapter = resolve_chat_model(engine, body.model)
     speech = body.speech_output(model, SPOKEN_CHAT_TASK in engine.models[model].tasks)
     params = body.sampling_params()  # the model checks its token ids against the vocabulary, once
     audio = {"id": f"audio_{uuid.uuid4().hex}", "expires_at": int(time.time()) + AUDIO_TTL_S}
     spoken_stream = speech is not None and body.stream
     reply = (SpokenChatReply if spoken_stream else ChatReply)(
-        f"chatcmpl-{uuid.uuid4().hex}", model, engine.chat_model(model).token_texts(), params,
+        f"chatcmpl-{uuid.uuid4().hex}", body.model or model, engine.chat_model(model).token_texts(), params,
         include_usage=body.include_usage, **({"audio_id": audio["id"], "expires_at": audio["expires_at"]}
                                              if spoken_stream else {}))
     # Image and video parts are fetched and decoded (media workers) before the request is admitted.
     handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant,
-                                                          speech=speech), request_id=reply.id)
+                                                          speech=speech, lora=body.lora_entries(adapter)),
+                                       request_id=reply.id)
     if speech is None or body.stream:
         return await respond(request, handle, reply, stream=body.stream)
     outputs = await result_or_cancel(request, handle)
@@ -70,17 +71,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 async def create_completion(body: CompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
     prompt = body.prompt_fields()  # one prompt, or a list: they run together, choice k * n + j is prompt k's
-    model = resolve_chat_model(engine, body.model)
+    model, adapter = resolve_chat_model(engine, body.model)
     params = body.sampling_params()
-    reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", model, engine.chat_model(model).token_texts(), params,
-                            include_usage=body.include_usage)
-    handle = engine.submit_chat(model, ChatRequest(**prompt, params=params, tenant=tenant), request_id=reply.id)
+    reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", body.model or model, engine.chat_model(model).token_texts(),
+                            params, include_usage=body.include_usage)
+    handle = engine.submit_chat(model, ChatRequest(**prompt, params=params, tenant=tenant,
+                                                   lora=body.lora_entries(adapter)), request_id=reply.id)
     return await respond(request, handle, reply, stream=body.stream)
 
 
-def resolve_chat_model(engine, name: str | None) -> str:
-    """The named model (404 if unknown, 400 if it does not chat), or the default chat model (serve/models.py)."""
-    return resolve_model(engine, name, CHAT_TASK, does="chat", kind="chat model")
+def resolve_chat_model(engine, name: str | None) -> tuple[str, str | None]:
+    """(the model, the LoRA adapter its id names): the named model (404 if unknown, 400 if it does not chat; a
+    "base:adapter" id names the base and one of its adapters), or the default chat model (serve/models.py)."""
+    named = adapter_id(engine, name)
+    if named is not None:
+        return resolve_model(engine, named[0], CHAT_TASK, does="chat", kind="chat model"), named[1]
+    return resolve_model(engine, name, CHAT_TASK, does="chat", kind="chat model"), None
 
 
 async def respond(request: Request, handle: RequestHandle, reply: TextReply, *, stream: bool):

@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serve.auth import tenant_of
 from serve.errors import ApiError
-from serve.models import model_object
+from serve.models import adapter_objects, model_object
 from stages.events import ErrorKind, StageError
 
 router = APIRouter()
@@ -17,8 +17,9 @@ router = APIRouter()
 @router.get("/v1/models", dependencies=[Depends(tenant_of)])
 async def list_models(request: Request) -> dict:
     created = request.app.state.created
-    models = request.app.state.engine.models.values()
-    return {"object": "list", "data": [model_object(info, created) for info in models]}
+    models = list(request.app.state.engine.models.values())
+    return {"object": "list", "data": [model_object(info, created) for info in models]
+            + adapter_objects(models, created, "chat")}
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=[Depends(tenant_of)])

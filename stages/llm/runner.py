@@ -16,6 +16,7 @@ from stages.cuda_graphs import GraphConfig, GraphRunner
 from stages.llm import attention
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
+from stages.lora import rows_use
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -84,7 +85,7 @@ class ModelRunner:
                 cache[dst].copy_(cache[src])
         chunks = plan.chunks
         if self.decode_graphs is not None and all(len(c.token_ids) == 1 and c.sample and not c.seq.media
-                                                  and c.seq.hidden is None for c in chunks):
+                                                  and c.seq.hidden is None and not c.seq.lora for c in chunks):
             return self.decode_graphs(self._decode_inputs(chunks))
         dev = self.device
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=dev)
@@ -115,8 +116,9 @@ class ModelRunner:
                                   dim=1)[:, None].to(dev)
         else:
             positions = positions[None]
-        hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
-                              paged=meta).last_hidden_state[0]  # [T, H]
+        with rows_use([c.seq.lora for c in chunks for _ in c.token_ids]):  # each token with its request's adapters
+            hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
+                                  paged=meta).last_hidden_state[0]  # [T, H]
         row = 0
         for c in chunks:  # sequences that keep their hidden states (a speech decoder reads them); a re-prefill
             if c.seq.hidden is not None:  # after preemption overwrites from its start

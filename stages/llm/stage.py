@@ -49,6 +49,7 @@ class GenerationRequest:
     # A speech decoder reads the model's last hidden state at every prompt token and every fed reply token
     # (Qwen2.5-Omni's talker): the sequence keeps them, and `finish` hands them on as choices[0]["hidden"].
     keep_hidden: bool = False
+    lora: tuple = ()  # LoRA adapters and weights ((name, weight), ...) every token of the request runs with
 
     def __post_init__(self):
         if self.more_prompts and (self.media or self.mrope is not None):
@@ -228,7 +229,7 @@ class LLMStage(LoopStage):
         namespace = (*req.namespace, ("keep_hidden", seq_id)) if req.keep_hidden else req.namespace
         seq = Sequence(seq_id=seq_id, index=index, prompt_ids=list(prompt_ids), params=req.params,
                        namespace=namespace, generator=generator, arrival=time.monotonic(), media=req.media,
-                       mrope=req.mrope, hidden=[] if req.keep_hidden else None)
+                       mrope=req.mrope, hidden=[] if req.keep_hidden else None, lora=req.lora)
         seq.output = OutputText(self.tokenizer, prompt_ids, req.params.stop)
         return seq
 
