@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipelines.config import LoraSpec
+from pipelines.demo.lora import build_diffusion_lora, build_llm_lora, to_kohya
 from pipelines.image_request import ImageRequest, RequestError
 from stages.lora import mix_lora_layers, rows_use
 from tests.helpers import demo_path, running_engine, seeded
@@ -21,37 +22,14 @@ def sd(tmp_path_factory):
     return demo_path(tmp_path_factory, "sd")
 
 
-def save_lora(pipe_path: str, out, seed: int, unet: dict, text: dict | None = None) -> str:
-    """A LoRA file in diffusers' format (pytorch_lora_weights.safetensors with its PEFT config as metadata):
-    random A and B for the UNet (and the text encoder) layers the configs target."""
-    from diffusers import StableDiffusionPipeline
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.utils import get_peft_model_state_dict
-
-    pipe = StableDiffusionPipeline.from_pretrained(pipe_path)
-    torch.manual_seed(seed)
-    layers, metadata = {}, {}
-    for key, model, spec in (("unet", pipe.unet, unet), ("text_encoder", pipe.text_encoder, text)):
-        if spec is None:
-            continue
-        config = LoraConfig(**spec, init_lora_weights=False)
-        inject_adapter_in_model(config, model)
-        with torch.no_grad():  # lora_B starts at zero in PEFT: make it count
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.normal_(0, 0.2)
-        layers[f"{key}_lora_layers"] = get_peft_model_state_dict(model)
-        metadata[f"{key}_lora_adapter_metadata"] = config.to_dict()
-    StableDiffusionPipeline.save_lora_weights(str(out), **layers, **metadata)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def loras(sd, tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
-    a = save_lora(sd, root / "a", 1, dict(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
-                  dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]))
-    b = save_lora(sd, root / "b", 2, dict(r=2, lora_alpha=2, target_modules=["to_k", "to_v", "ff.net.2"]))
+    a = build_diffusion_lora(sd, root / "a", 1, {
+        "unet": dict(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
+        "text_encoder": dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"])})
+    b = build_diffusion_lora(sd, root / "b", 2, {"unet": dict(r=2, lora_alpha=2,
+                                                             target_modules=["to_k", "to_v", "ff.net.2"])})
     return {"a": a, "b": b}
 
 
@@ -178,30 +156,8 @@ def test_bad_adapters_are_refused_naming_the_entry(engine, lora, param):
     assert info.value.param == param
 
 
-def kohya_file(diffusers_dir: str, out) -> str:
-    """The same adapter in kohya's (A1111's) key format: lora_unet_* / lora_te_* modules with lora_down, lora_up and
-    an alpha tensor each."""
-    import json
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    tensors = {}
-    with safe_open(f"{diffusers_dir}/pytorch_lora_weights.safetensors", "pt") as f:
-        metadata = json.loads(f.metadata()["lora_adapter_metadata"])
-        for key in f.keys():
-            component, rest = key.split(".", 1)
-            path, kind = rest.rsplit(".lora_", 1)
-            prefix = {"unet": "lora_unet_", "text_encoder": "lora_te_"}[component]
-            module = prefix + path.replace(".", "_")
-            tensors[f"{module}.{'lora_down' if kind.startswith('A') else 'lora_up'}.weight"] = f.get_tensor(key)
-            tensors[f"{module}.alpha"] = torch.tensor(float(metadata[f"{component}.lora_alpha"]))
-    save_file(tensors, str(out))
-    return str(out)
-
-
 def test_a_kohya_file_equals_its_diffusers_form(sd, loras, tmp_path):
-    kohya = kohya_file(loras["a"], tmp_path / "a_kohya.safetensors")
+    kohya = to_kohya(loras["a"], tmp_path / "a_kohya.safetensors")
     with running_engine(sd, name="sd", loras=(LoraSpec("k", kohya),)) as eng:
         ours = eng.submit_image("sd", ImageRequest(prompt="a red bicycle", num_inference_steps=3, guidance_scale=6.0,
                                                    seed=3, lora=(("k", 0.7),))).result()
@@ -213,23 +169,12 @@ def test_flux_requests_with_different_adapters_batch_and_equal_diffusers(tmp_pat
     """A LoRA of FLUX's transformer (diffusers' format), two requests (with it, without) in one denoiser batch, each
     equal to diffusers' FluxPipeline with the adapter set (or disabled)."""
     from diffusers import FluxPipeline
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.utils import get_peft_model_state_dict
 
     from pipelines.demo import build_demo_model
 
     path = str(build_demo_model("flux", tmp_path_factory.mktemp("flux") / "flux"))
-    pipe = FluxPipeline.from_pretrained(path)
-    config = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False)
-    torch.manual_seed(7)
-    inject_adapter_in_model(config, pipe.transformer)
-    with torch.no_grad():
-        for name, param in pipe.transformer.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.2)
-    lora_dir = str(tmp_path_factory.mktemp("flux-lora"))
-    FluxPipeline.save_lora_weights(lora_dir, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
-                                   transformer_lora_adapter_metadata=config.to_dict())
+    lora_dir = build_diffusion_lora(path, tmp_path_factory.mktemp("flux-lora"), 7, {
+        "transformer": dict(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])})
     call = dict(width=32, height=32, num_inference_steps=3, guidance_scale=4.0)
     with running_engine(path, max_batch_size=4, loras=(LoraSpec("f", lora_dir),)) as eng:
         handles = [eng.submit_image("m", ImageRequest(prompt="a red bicycle", seed=2, lora=lora, **call))
@@ -307,28 +252,12 @@ def llama(tmp_path_factory):
     return demo_path(tmp_path_factory, "llama")
 
 
-def save_peft_adapter(base: str, out, seed: int, **config) -> str:
-    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) with random A and B."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(**config, init_lora_weights=False, task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    model.save_pretrained(str(out))
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def adapters(llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("llm-loras")
-    return {"x": save_peft_adapter(llama, root / "x", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-            "y": save_peft_adapter(llama, root / "y", 2, r=2, lora_alpha=2,
-                                   target_modules=["o_proj", "down_proj", "up_proj"])}
+    return {"x": build_llm_lora(llama, root / "x", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+            "y": build_llm_lora(llama, root / "y", 2, r=2, lora_alpha=2,
+                                target_modules=["o_proj", "down_proj", "up_proj"])}
 
 
 def peft_greedy(base: str, adapter: str | None, prompt_ids: list[int], n: int) -> list[int]:
