@@ -150,3 +150,15 @@ def test_omni_benchmark_prints_the_ratio():
     assert len(runs) == 2, run.stdout
     assert "round 1: mmserve's text and audio equal transformers'" in run.stdout, run.stdout
     assert re.search(r"throughput 2 concurrent: mmserve .* ratio \d+\.\d+x", run.stdout), run.stdout
+
+
+def test_lora_benchmark_prints_the_ratios():
+    """examples/bench_lora.py --tiny: every run of each side, round 1's equality checks and both ratios."""
+    run = subprocess.run([sys.executable, "examples/bench_lora.py", "--tiny"], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(re.findall(r"images round 1 (mixed|grouped|diffusers) +\d+\.\d+ ms", run.stdout)) == 3, run.stdout
+    assert len(re.findall(r"llm round 1 (mixed|grouped) +\d+\.\d+ ms", run.stdout)) == 2, run.stdout
+    assert "mixed, grouped and diffusers made the same images" in run.stdout, run.stdout
+    assert "mixed and grouped made the same tokens" in run.stdout, run.stdout
+    assert re.search(r"mixed vs grouped \d+\.\d+x, vs diffusers \d+\.\d+x", run.stdout), run.stdout
