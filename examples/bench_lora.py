@@ -98,7 +98,8 @@ def main() -> None:
         engine = Engine(EngineConfig(models=(
             ModelSpec("sd", sd, pools={"denoise": PoolConfig(max_batch_size=8, max_queue=64)},
                       loras=tuple(LoraSpec(a, path) for a, path in sd_loras.items())),
-            ModelSpec("lm", llama, family="causal-lm", loras=tuple(LoraSpec(a, path) for a, path in lm_loras.items())))))
+            ModelSpec("lm", llama, family="causal-lm",
+                      loras=tuple(LoraSpec(a, path) for a, path in lm_loras.items())))))
         engine.start()
         try:
             images = [(PROMPTS[i], i, ADAPTERS[i % len(ADAPTERS)]) for i in range(8)]
