@@ -53,7 +53,7 @@ def main() -> None:
         root = args.base_url.rstrip("/")
         job = httpx.post(f"{root}/videos", json={"model": "wan-demo", "prompt": "waves", "size": "32x32",
                                                  "num_frames": 5, "num_inference_steps": 2, "seed": 0}).json()
-        while job["status"] in ("queued", "in_progress"):
+        while job["status"] in ("queued", "in_progress", "finalizing"):  # until an end state
             time.sleep(0.2)
             job = httpx.get(f"{root}/videos/{job['id']}").json()
         video = httpx.get(f"{root}/videos/{job['id']}/content").content

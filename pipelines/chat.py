@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipelines.chat_parts import checked_message
-from pipelines.image_request import RequestError, check_lora
+from pipelines.image_request import RequestError, resolve_lora
 from pipelines.token_bound import max_chars_per_token
 from pipelines.token_texts import TokenTexts
 from stages.cuda_graph_metrics import MetricsObserver
@@ -99,19 +99,6 @@ class LanguageModel:
             self.loras[spec.name] = spec
         mix_lora_layers(model)
 
-    def lora_use(self, lora) -> tuple[tuple[str, float], ...]:
-        """A request's `lora` entries as (adapter, weight) pairs, the declared scale where it names none; checked
-        (RequestErrors naming the entry)."""
-        check_lora(lora)
-        use = []
-        for i, (name, scale) in enumerate(lora):
-            spec = self.loras.get(name)
-            if spec is None:
-                raise RequestError(f"lora[{i}].name", f"model {self.name} has no LoRA {name!r}; its adapters: "
-                                                      f"{sorted(self.loras)}", code="unknown_lora")
-            use.append((name, float(spec.scale if scale is None else scale)))
-        return tuple(use)
-
     def _llm_stage(self, config: LLMConfig, metrics: Metrics) -> LLMStage:
         """The llm stage over self.runner, stopping at the model's and the tokenizer's EOS tokens."""
         eos = self.runner.model.generation_config.eos_token_id
@@ -149,7 +136,7 @@ class LanguageModel:
                     self._check_chars(p, f"prompt[{i}]")
             prompts = [self._checked_ids(self._completion_ids(p, f"prompt[{i}]"), f"prompt[{i}]")
                        for i, p in enumerate(request.prompts)]
-        lora = self.lora_use(request.lora)
+        lora = resolve_lora(self.name, self.loras, request.lora)
         return GenerationRequest(prompts[0], request.params, (self.weights_id, lora or None, request.tenant),
                                  more_prompts=tuple(prompts[1:]), keep_hidden=request.speech is not None, lora=lora)
 

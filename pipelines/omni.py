@@ -358,18 +358,25 @@ class _Once(torch.nn.Module):
         return self.output
 
 
-class TalkerStage(Stage):
+class _SpeechStage(Stage):
+    """A stage of one model's speech half: every item of the model batches with every other."""
+
+    def __init__(self, model: str, voice: OmniVoice):
+        self.model = model
+        self.voice = voice
+
+    def batch_key(self, item: WorkItem) -> Hashable:
+        return self.model
+
+
+class TalkerStage(_SpeechStage):
     """The thinker's reply (its tokens and kept hidden states) -> codec codes; the llm's outputs pass on."""
 
     kind = "talker"
 
     def __init__(self, model: str, voice: OmniVoice, max_codes: int = 4096):
-        self.model = model
-        self.voice = voice
+        super().__init__(model, voice)
         self.max_codes = max_codes
-
-    def batch_key(self, item: WorkItem) -> Hashable:
-        return self.model
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         jobs = []
@@ -381,18 +388,11 @@ class TalkerStage(Stage):
         return [{"codes": codes, "rng": state} for codes, state in self.voice.codes(jobs, self.max_codes)]
 
 
-class Token2WavStage(Stage):
+class Token2WavStage(_SpeechStage):
     """Codes -> mel (token2wav's DiT, a batch's jobs in one flow-matching call), with the talker's generator stream
     continued for the noise."""
 
     kind = "token2wav"
-
-    def __init__(self, model: str, voice: OmniVoice):
-        self.model = model
-        self.voice = voice
-
-    def batch_key(self, item: WorkItem) -> Hashable:
-        return self.model
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         mels = self.voice.mels([(item.inputs["codes"], item.inputs["speech"].voice, item.inputs["rng"])
@@ -401,17 +401,10 @@ class Token2WavStage(Stage):
                 for item, mel in zip(items, mels)]
 
 
-class VocoderStage(Stage):
+class VocoderStage(_SpeechStage):
     """Mel -> a 24 kHz waveform (token2wav's BigVGAN), one job a call; on a CPU two replicas work side by side."""
 
     kind = "vocoder"
-
-    def __init__(self, model: str, voice: OmniVoice):
-        self.model = model
-        self.voice = voice
-
-    def batch_key(self, item: WorkItem) -> Hashable:
-        return self.model
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         return [{"choices": item.inputs["choices"], "usage": item.inputs["usage"],

@@ -23,7 +23,7 @@ import torch
 from encoders.cache import EncoderCache
 from pipelines.config import LoraSpec
 from pipelines.families.speedups import DenoiserSpeedups
-from pipelines.image_request import ImageRequest, RequestError, Task
+from pipelines.image_request import ImageRequest, Task
 from pipelines.video import VideoRequest, VideoTask
 from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
@@ -100,18 +100,6 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
                         if isinstance(module, torch.nn.Module))
             if not mixed:
                 raise ValueError(f"model {self.name}: its loras target no linear layer")
-
-    def lora_use(self, lora) -> tuple[tuple[str, float], ...]:
-        """A request's `lora` entries as (adapter, weight) pairs, the declared scale where it names none; an adapter
-        this model does not serve is a RequestError naming the entry."""
-        use = []
-        for i, (name, scale) in enumerate(lora):
-            spec = self.loras.get(name)
-            if spec is None:
-                raise RequestError(f"lora[{i}].name", f"model {self.name} has no LoRA {name!r}; its adapters: "
-                                                      f"{sorted(self.loras)}", code="unknown_lora")
-            use.append((name, float(spec.scale if scale is None else scale)))
-        return tuple(use)
 
     # -- facts the API layer needs --------------------------------------------------------
     @property
