@@ -131,6 +131,9 @@ class ServedDiffusion:
 
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         family = load_family(spec, family_name, ctx.prompt_cache)
+        if spec.loras and isinstance(family, VideoFamily):
+            raise ValueError(f"model {spec.name}: loras are for image and language models (video requests name no "
+                             "adapter yet)")
         family.load_loras(spec.loras)  # before the speed-ups wrap the modules
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         family.parallel = spec.parallel
