@@ -354,3 +354,22 @@ path = "{adapters['y']}"
         assert info.value.body["param"] == "lora[0].name"
     finally:
         server.stop()
+
+
+def test_sdxl_adapters_on_the_unet_and_both_text_encoders_equal_diffusers(tmp_path_factory):
+    from diffusers import StableDiffusionXLPipeline
+
+    path = demo_path(tmp_path_factory, "sdxl")
+    text = dict(r=2, lora_alpha=2, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"])
+    lora = build_diffusion_lora(path, tmp_path_factory.mktemp("sdxl-lora"), 3, {
+        "unet": dict(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
+        "text_encoder": text, "text_encoder_2": text})
+    call = dict(num_inference_steps=3, guidance_scale=5.0)
+    with running_engine(path, loras=(LoraSpec("s", lora),)) as eng:
+        ours = eng.submit_image("m", ImageRequest(prompt="a cat", seed=4, lora=(("s", 0.8),), **call)).result()
+    ref = StableDiffusionXLPipeline.from_pretrained(path)
+    ref.set_progress_bar_config(disable=True)
+    ref.load_lora_weights(lora, adapter_name="s")
+    ref.set_adapters(["s"], [0.8])
+    want = ref("a cat", generator=seeded(4), output_type="np", **call).images
+    np.testing.assert_allclose(ours["pixels"], want, atol=ATOL)
