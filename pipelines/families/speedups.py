@@ -104,9 +104,9 @@ class DenoiserSpeedups(SpeedupHost):
 
             cfg = all(item.inputs["cond"]["cfg"] for item in items)
             out = parallel_forward(self, key, fn, batched, shared or {}, cfg and self.parallel.cfg == 2, sizes, groups)
-        rows = [use for item, size in zip(items, sizes) for use in [getattr(item.inputs["request"], "lora", ())] * size]
-        if out is None and any(rows):  # adapters per row (stages/lora.py): eager, outside any captured graph
-            with rows_use(rows):
+        uses = [getattr(item.inputs["request"], "lora", ()) for item in items]
+        if out is None and any(uses):  # adapters per row (stages/lora.py): eager, outside any captured graph
+            with rows_use([use for use, size in zip(uses, sizes) for _ in range(size)]):
                 out = fn(**batched, **(shared or {}))
         if out is None:
             out = self.denoiser(key, fn, batched, shared or {}, groups)

@@ -116,7 +116,8 @@ class ModelRunner:
                                   dim=1)[:, None].to(dev)
         else:
             positions = positions[None]
-        with rows_use([c.seq.lora for c in chunks for _ in c.token_ids]):  # each token with its request's adapters
+        adapted = any(c.seq.lora for c in chunks)  # then each token runs with its request's adapters
+        with rows_use([c.seq.lora for c in chunks for _ in c.token_ids] if adapted else ()):
             hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
                                   paged=meta).last_hidden_state[0]  # [T, H]
         row = 0
