@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipelines.adapters import Adapters
 from pipelines.chat_parts import checked_message
-from pipelines.image_request import RequestError, resolve_lora
+from pipelines.image_request import RequestError
 from pipelines.token_bound import max_chars_per_token
 from pipelines.token_texts import TokenTexts
 from stages.cuda_graph_metrics import MetricsObserver
@@ -65,39 +66,57 @@ class LanguageModel:
         self.max_chars_per_token = max_chars_per_token(tokenizer)  # None: no refusal before tokenizing
         self._tokenized_chars = metrics.llm.tokenized_chars.labels(model=name)
         self.stage = self._llm_stage(config, metrics)
-        self.loras: dict[str, LoraSpec] = {}  # PEFT adapters a request may name (load_loras)
+        self.loras = Adapters(name, self.load_adapter, self.unload_adapter)  # PEFT LoRAs a request may name
+        runner.adapters = self.loras  # every forward holds its gate
 
-    def load_loras(self, loras: tuple[LoraSpec, ...]) -> None:
-        """Load each PEFT LoRA adapter (a directory with adapter_config.json and adapter_model.safetensors) into the
+    def load_loras(self, loras: tuple[LoraSpec, ...], *, budget_bytes: int | None = None, dirs=()) -> None:
+        """The model's declared adapters, its budget of resident adapter bytes and its run-time lora_dirs."""
+        self.loras.budget_bytes, self.loras.dirs = budget_bytes, tuple(dirs)
+        for spec in loras:
+            self.loras.add(spec)
+
+    def load_adapter(self, spec: LoraSpec) -> int:
+        """Load one PEFT LoRA adapter (a directory with adapter_config.json and adapter_model.safetensors) into the
         runner's model beside the others, then have its LoRA layers apply adapters per token (stages/lora.py): the
-        base weights stay as they are. An adapter of another model fails here, naming it."""
-        if not loras:
-            return
+        base weights stay as they are. An adapter of another model fails here, naming it. Returns its bytes. (The
+        Adapters registry calls it, holding the gate alone.)"""
         from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
         from safetensors.torch import load_file
+
+        from stages.lora import adapter_bytes, mix_lora_layers
+
+        model = self.runner.model
+        try:
+            config = LoraConfig.from_pretrained(spec.path)
+            if any(m in (config.target_modules or ()) for m in ("lm_head", "embed_tokens")) \
+                    or config.modules_to_save:
+                raise ValueError("only the decoder's linear layers may be adapted (not lm_head, embeddings or "
+                                 "modules_to_save)")
+            state = load_file(f"{spec.path}/adapter_model.safetensors")
+            state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
+            inject_adapter_in_model(config, model, adapter_name=spec.name)
+            unexpected = getattr(set_peft_model_state_dict(model, state, adapter_name=spec.name),
+                                 "unexpected_keys", [])
+            if unexpected:
+                raise ValueError(f"keys that are not in this model: {unexpected[:3]}")
+        except Exception as exc:  # PEFT, safetensors and shape mismatches raise many kinds
+            self.unload_adapter(spec.name)  # what a partial load injected
+            raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) does not load: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        mix_lora_layers(model)
+        return adapter_bytes(model, spec.name)
+
+    def unload_adapter(self, name: str) -> None:
+        from peft.tuners.lora import LoraLayer
 
         from stages.lora import mix_lora_layers
 
         model = self.runner.model
-        for spec in loras:
-            try:
-                config = LoraConfig.from_pretrained(spec.path)
-                if any(m in (config.target_modules or ()) for m in ("lm_head", "embed_tokens")) \
-                        or config.modules_to_save:
-                    raise ValueError("only the decoder's linear layers may be adapted (not lm_head, embeddings or "
-                                     "modules_to_save)")
-                state = load_file(f"{spec.path}/adapter_model.safetensors")
-                state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
-                inject_adapter_in_model(config, model, adapter_name=spec.name)
-                unexpected = getattr(set_peft_model_state_dict(model, state, adapter_name=spec.name),
-                                     "unexpected_keys", [])
-                if unexpected:
-                    raise ValueError(f"keys that are not in this model: {unexpected[:3]}")
-            except Exception as exc:  # PEFT, safetensors and shape mismatches raise many kinds
-                raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) does not load: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-            self.loras[spec.name] = spec
-        mix_lora_layers(model)
+        for module in model.modules():
+            if isinstance(module, LoraLayer) and name in module.lora_A:
+                module.delete_adapter(name)
+        getattr(model, "peft_config", {}).pop(name, None)
+        mix_lora_layers(model)  # PEFT activates a remaining adapter: off again
 
     def _llm_stage(self, config: LLMConfig, metrics: Metrics) -> LLMStage:
         """The llm stage over self.runner, stopping at the model's and the tokenizer's EOS tokens."""
@@ -136,8 +155,9 @@ class LanguageModel:
                     self._check_chars(p, f"prompt[{i}]")
             prompts = [self._checked_ids(self._completion_ids(p, f"prompt[{i}]"), f"prompt[{i}]")
                        for i, p in enumerate(request.prompts)]
-        lora = resolve_lora(self.name, self.loras, request.lora)
-        return GenerationRequest(prompts[0], request.params, (self.weights_id, lora or None, request.tenant),
+        lora = self.loras.resolve(request.lora)
+        return GenerationRequest(prompts[0], request.params,
+                                 (self.weights_id, self.loras.identity(lora) or None, request.tenant),
                                  more_prompts=tuple(prompts[1:]), keep_hidden=request.speech is not None, lora=lora)
 
     def _checked_ids(self, ids: list[int], param: str) -> tuple[int, ...]:

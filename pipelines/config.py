@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pipelines.asr import AsrConfig
 from pipelines.chat import LLMConfig
@@ -98,7 +99,9 @@ class ModelSpec:
     step_cache: StepCacheConfig = StepCacheConfig()
     fused_kernels: bool = False
     parallel: ParallelConfig = ParallelConfig()  # diffusion only: one denoise replica over several ranks
-    loras: tuple[LoraSpec, ...] = ()  # diffusion only: LoRA adapters a request may name (`lora` field)
+    loras: tuple[LoraSpec, ...] = ()  # LoRA adapters a request may name (`lora` field; "base:adapter" for chat)
+    lora_dirs: tuple[Path, ...] = ()  # where `POST /v1/loras` may load adapters from at run time (none: it may not)
+    lora_budget_mb: float | None = None  # bytes of adapter weights resident in the model (an LRU); None: no limit
     # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
     # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
     # names no model gets a random-weight model only when no real-weight one does its task
@@ -120,8 +123,14 @@ class ModelSpec:
         names = [lora.name for lora in self.loras]
         if len(set(names)) != len(names):
             raise ValueError(f"model {self.name}: lora names must be unique, got {names}")
-        if self.loras and self.parallel.world > 1:
+        if (self.loras or self.lora_dirs) and self.parallel.world > 1:
             raise ValueError(f"model {self.name}: loras with [models.parallel] are not supported yet")
+        if self.lora_budget_mb is not None and not (isinstance(self.lora_budget_mb, (int, float))
+                                                    and self.lora_budget_mb > 0):
+            raise ValueError(f"model {self.name}: lora_budget_mb must be a number > 0, got {self.lora_budget_mb!r}")
+        for folder in self.lora_dirs:
+            if not Path(folder).is_dir():
+                raise ValueError(f"model {self.name}: lora_dirs entry {str(folder)!r} is not a directory")
 
     def _check_parallel(self) -> None:
         where, world = f"model {self.name}: ", self.parallel.world

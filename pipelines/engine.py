@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from encoders.cache import EncoderCache
+from pipelines.adapters import Adapters
 from pipelines.asr import TranscriptionModel, TranscriptionRequest
 from pipelines.chat import ChatRequest, LanguageModel
 from pipelines.chat_parts import has_media_parts
-from pipelines.config import EngineConfig, ModelSpec, VoiceSpec
+from pipelines.config import EngineConfig, LoraSpec, ModelSpec, VoiceSpec
 from pipelines.embeddings import EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
@@ -184,10 +185,59 @@ class Engine:
         return self.run(model, self._served_as(model, kind).execution(request), request_id=request_id, fence=fence)
 
     def run(self, model: str, execution: Execution, *, request_id: str | None = None, fence=None) -> RequestHandle:
-        """Hand a checked request's graph to the executor, with the engine's deadline and the model's admission."""
-        return self.executor.submit(execution.graph, execution.inputs, request_id=request_id,
-                                    deadline_s=self.config.request_timeout_s, model=model,
-                                    max_inflight=self._specs[model].max_inflight, fence=fence)
+        """Hand a checked request's graph to the executor, with the engine's deadline and the model's admission.
+        The LoRA adapters it names are held until it ends (pipelines/adapters.py)."""
+        names = [name for name, _ in getattr(execution.inputs.get("request"), "lora", ())]
+        release = self.loras_of(model).lease(names) if names else None
+        try:
+            handle = self.executor.submit(execution.graph, execution.inputs, request_id=request_id,
+                                          deadline_s=self.config.request_timeout_s, model=model,
+                                          max_inflight=self._specs[model].max_inflight, fence=fence)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            handle.on_close(release)
+        return handle
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+    def loras_of(self, model: str) -> Adapters:
+        """The LoRA adapters of an image or language model (a 404 for other models)."""
+        served = self._served.get(model)
+        adapters = getattr(getattr(served, "model", None), "loras", None)
+        if not isinstance(adapters, Adapters):
+            raise ModelNotFound(f"model {model!r} does not exist or serves no LoRA adapters; models that do: "
+                                f"{sorted(self.lora_models())}")
+        return adapters
+
+    def lora_models(self) -> dict[str, Adapters]:
+        """The adapters of every model that may serve LoRAs (image and language models)."""
+        return {name: loras for name, served in self._served.items()
+                if isinstance(loras := getattr(getattr(served, "model", None), "loras", None), Adapters)}
+
+    def load_lora(self, model: str, spec: LoraSpec) -> None:
+        """Load an adapter at run time, from the model's lora_dirs only (`spec.path` inside one of them); it is
+        listed in /v1/models once loaded. Blocks while forwards of the model finish: call it off the event loop."""
+        loras = self.loras_of(model)
+        spec = dataclasses.replace(spec, path=loras.file_in_dirs(spec.path))
+        try:
+            loras.add(spec)
+        except ValueError as exc:  # not a LoRA of this model: the file's fault
+            raise RequestError("path", str(exc), code="invalid_lora") from exc
+        self._list_adapters(model)
+
+    def unload_lora(self, model: str, name: str) -> bool:
+        """Take an adapter away from new requests; its weights go now (True) or when the last request using it
+        ends. Blocks while forwards of the model finish: call it off the event loop."""
+        now = self.loras_of(model).remove(name)
+        self._list_adapters(model)
+        return now
+
+    def _list_adapters(self, model: str) -> None:
+        served = self._served[model]
+        served.info = dataclasses.replace(served.info, adapters=self.loras_of(model).names())
+        self.models[model] = served.info
 
     def _of_kind(self, kind: type) -> dict[str, ServedModel]:
         return {name: served for name, served in self._served.items() if isinstance(served, kind)}

@@ -181,18 +181,3 @@ def check_lora(lora) -> None:
                                   or not abs(scale) <= MAX_LORA_SCALE):
             raise RequestError(f"lora[{i}].scale", f"lora[{i}].scale must be a number in [-{MAX_LORA_SCALE:g}, "
                                                    f"{MAX_LORA_SCALE:g}]; got {scale!r}")
-
-
-def resolve_lora(model: str, served: dict, lora) -> tuple[tuple[str, float], ...]:
-    """A request's `lora` entries as (adapter, weight) pairs for a model serving the LoraSpecs `served` (name ->
-    spec), each entry's declared scale where it names none: checked (check_lora), an adapter the model does not serve
-    a RequestError naming the entry."""
-    check_lora(lora)
-    use = []
-    for i, (name, scale) in enumerate(lora):
-        spec = served.get(name)
-        if spec is None:
-            raise RequestError(f"lora[{i}].name", f"model {model} has no LoRA {name!r}; its adapters: "
-                                                  f"{sorted(served)}", code="unknown_lora")
-        use.append((name, float(spec.scale if scale is None else scale)))
-    return tuple(use)

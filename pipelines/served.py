@@ -123,6 +123,12 @@ def load_family(spec: ModelSpec, family_name: str, prompt_cache: EncoderCache) -
     return cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype, prompt_cache=prompt_cache, **options)
 
 
+def lora_limits(spec: ModelSpec) -> dict[str, Any]:
+    """A model's adapter budget (bytes) and run-time lora_dirs, as load_loras takes them."""
+    budget = None if spec.lora_budget_mb is None else int(spec.lora_budget_mb * 2**20)
+    return {"budget_bytes": budget, "dirs": spec.lora_dirs}
+
+
 class ServedDiffusion:
     """An image or video diffusion family: text_encode -> denoise (the loop) -> vae_decode, then media_encode
     when the request asks for encoded files (the server's do; the Python API's keep pixels)."""
@@ -131,10 +137,10 @@ class ServedDiffusion:
 
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         family = load_family(spec, family_name, ctx.prompt_cache)
-        if spec.loras and isinstance(family, VideoFamily):
+        if (spec.loras or spec.lora_dirs) and isinstance(family, VideoFamily):
             raise ValueError(f"model {spec.name}: loras are for image and language models (video requests name no "
                              "adapter yet)")
-        family.load_loras(spec.loras)  # before the speed-ups wrap the modules
+        family.load_loras(spec.loras, **lora_limits(spec))  # before the speed-ups wrap the modules
         family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         family.parallel = spec.parallel
         if spec.parallel.vae:  # the tiled decode's tiles over the ranks: tiling on (video.vae_tile's size)
@@ -157,7 +163,7 @@ class ServedDiffusion:
                                   video_defaults=video, random_weights=random_weights)
         else:
             self.info = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor, family.default_size,
-                                  random_weights=random_weights, adapters=tuple(family.loras))
+                                  random_weights=random_weights, adapters=family.loras.names())
 
     def close(self) -> None:
         """Stop what runs outside the serving process (a parallel replica's ranks)."""
@@ -271,9 +277,9 @@ class ServedChat:
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         self.name = spec.name
         self.model: LanguageModel = self._load(spec, ctx)
-        self.model.load_loras(spec.loras)
+        self.model.load_loras(spec.loras, **lora_limits(spec))
         self.info = ModelInfo(spec.name, family_name, spec.path, self.tasks, random_weights=random_weights,
-                              adapters=tuple(self.model.loras))
+                              adapters=self.model.loras.names())
         self.ctx = ctx
 
     tasks: tuple[str, ...] = ("chat",)

@@ -28,6 +28,7 @@ from serve.routes import (
     chat,
     embeddings,
     images,
+    loras,
     realtime_video,
     realtime_voice,
     speech,
@@ -44,11 +45,13 @@ FORM_FIELDS_BYTES = 2**20  # a multipart body's text fields and part headers, be
 
 def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: ImageStore | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, data_dir: str | Path | None = None,
-               job_policy: JobPolicy | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               job_policy: JobPolicy | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               admin_key: str | None = None) -> FastAPI:
     """The HTTP app. `api_keys` maps key -> tenant; None or empty: no auth, every caller is tenant "default".
     `max_body_bytes` caps JSON bodies; multipart bodies may hold the largest upload a route admits (an image
     edit's image and mask, a /v1/files upload) plus FORM_FIELDS_BYTES (serve/body_limit.py).
-    `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists)."""
+    `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists).
+    `admin_key` opens the admin routes (/v1/loras) to callers sending it; None: they answer 403."""
     if max_upload_bytes < 1:
         raise ValueError(f"max_upload_bytes must be >= 1, got {max_upload_bytes}")
 
@@ -66,6 +69,7 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
                   description="Multimodal and diffusion pipeline server with OpenAI-compatible endpoints.")
     app.state.engine = engine
     app.state.api_keys = dict(api_keys or {})
+    app.state.admin_key = admin_key
     app.state.image_store = image_store or ImageStore()
     app.state.max_upload_bytes = max_upload_bytes
     app.state.created = int(time.time())  # the `created` of every model object
@@ -79,6 +83,7 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.include_router(speech.router)
     app.include_router(transcriptions.router)
     app.include_router(system.router)
+    app.include_router(loras.router)
     app.include_router(videos.router)
     app.include_router(batches.router)
     app.include_router(realtime_video.router)

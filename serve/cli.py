@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -142,10 +143,12 @@ def _serve(args) -> int:
 
     from pipelines.engine import Engine
     from serve.app import create_app
+    from serve.routes.loras import ADMIN_KEY_ENV
 
     engine = Engine(config)
     app = create_app(engine, api_keys=api_keys, data_dir=args.data_dir or server_cfg.data_dir,
-                     job_policy=loaded.jobs, max_body_bytes=server_cfg.max_body_bytes)
+                     job_policy=loaded.jobs, max_body_bytes=server_cfg.max_body_bytes,
+                     admin_key=os.environ.get(ADMIN_KEY_ENV) or None)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, ws="auto", log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     failed = threading.Event()

@@ -303,7 +303,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
-                  "video", "random_weights", "parallel", "loras") + SPEEDUP_KEYS, where)
+                  "video", "random_weights", "parallel", "loras", "lora_dirs", "lora_budget_mb") + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")
@@ -327,6 +327,11 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
         if not isinstance(loras, list):
             raise ValueError(f"{where} loras: expected an array of tables ([[models.loras]])")
         values["loras"] = tuple(_lora(table, f"{where} loras #{i + 1}", base) for i, table in enumerate(loras))
+    if "lora_dirs" in values:  # lora_dirs = ["loras"]: relative to the config file
+        dirs = values["lora_dirs"]
+        if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
+            raise ValueError(f"{where} lora_dirs: expected an array of directory paths")
+        values["lora_dirs"] = tuple(_path(d, base) for d in dirs)
     if "parallel" in values:  # parallel = {cfg = 2}
         values["parallel"] = _build(ParallelConfig, values["parallel"], f"{where} parallel")
     for key, cls in (("graphs", GraphConfig), ("compile", CompileConfig), ("step_cache", StepCacheConfig)):

@@ -23,6 +23,7 @@ from pydantic.json_schema import models_json_schema
 
 from serve import openapi_models as m
 from serve.auth import tenant_of
+from serve.routes.loras import admin
 from serve.routes.speech import CONTENT_TYPES as SPEECH_TYPES
 from serve.routes.videos import VideoBody
 
@@ -37,9 +38,10 @@ ERROR_DESCRIPTIONS = {
     400: "Malformed request: a field missing, unknown, of the wrong type or out of range (`param` names it), "
          "a malformed body, or a model that does not do this task",
     401: "Missing or incorrect API key (only when the server is started with --api-keys)",
-    403: "With --api-keys: an image link without its signature, with a changed one, or past its expiry",
+    403: "With --api-keys: an image link without its signature, with a changed one, or past its expiry; admin "
+         "routes: the server has no admin key, or a LoRA path outside the model's lora_dirs",
     404: "Unknown model (`model_not_found`) or no object with this id",
-    409: "The object is not in a state that allows this (a video not completed yet)",
+    409: "The object is not in a state that allows this (a video not completed yet, a LoRA name already taken)",
     413: "Request body, uploaded file or fetched media over its limit (the message names the limit)",
     422: "An Idempotency-Key reused with a different request body (`idempotency_key_reused`)",
     429: "Queue full or quota reached; retry after `Retry-After` seconds",
@@ -80,6 +82,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/metrics"): Operation((), {"text/plain": TEXT}),  # Prometheus text exposition format
     ("GET", "/v1/models"): Operation((), {JSON: m.ModelList}),
     ("GET", "/v1/models/{model_id}"): Operation((404, 503), {JSON: m.Model}),
+    # admin (MMSERVE_ADMIN_KEY as the bearer token): LoRA adapters loaded and unloaded at run time
+    ("GET", "/v1/loras"): Operation((401, 403), {JSON: m.LoraList}),
+    ("POST", "/v1/loras"): Operation((400, 401, 403, 404, 409), {JSON: m.Lora}),
+    ("DELETE", "/v1/loras/{name}"): Operation((400, 401, 403, 404), {JSON: m.LoraDeleted}),
     # -- text -----------------------------------------------------------------------------------
     ("POST", "/v1/chat/completions"): Operation(ENGINE, {JSON: m.ChatCompletion, SSE: m.ServerSentEvent}),
     ("POST", "/v1/completions"): Operation(ENGINE, {JSON: m.Completion, SSE: m.ServerSentEvent}),
@@ -157,8 +163,11 @@ def build_schema(app: FastAPI) -> dict[str, Any]:
         entry = OPERATIONS.get((method, path))
         if entry is None:  # tests/test_openapi.py fails on this; the schema still says what is sure
             entry = Operation((400,), {JSON: {}})
-        _describe(schema["paths"][path][method.lower()], entry, needs_key=_depends_on(route, tenant_of),
+        admin_only = _depends_on(route, admin)
+        _describe(schema["paths"][path][method.lower()], entry, needs_key=admin_only or _depends_on(route, tenant_of),
                   schemas=schemas)
+        if admin_only:  # the admin key, always
+            schema["paths"][path][method.lower()]["security"] = [{"bearerAuth": []}]
     for (component, name), annotation in FIELD_TYPES.items():
         properties = schemas.get(component, {}).get("properties", {})
         if name not in properties:

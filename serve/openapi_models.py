@@ -66,6 +66,30 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
+class Lora(BaseModel):  # serve/routes/loras.py
+    object: Literal["lora"]
+    id: str  # the adapter's name
+    model: str  # its base model
+    path: str  # the file or directory it was loaded from
+    scale: float  # its weight in a request that names none
+    resident: bool  # its weights are in the model now (false: evicted by the byte budget; reloaded on demand)
+    bytes: int  # of its weights
+    requests: int  # running requests that hold it
+
+
+class LoraList(BaseModel):
+    object: Literal["list"]
+    data: list[Lora]
+
+
+class LoraDeleted(BaseModel):
+    object: Literal["lora"]
+    id: str
+    model: str
+    deleted: Literal[True]
+    unloaded: bool  # false: requests still use it; its weights go when the last of them ends
+
+
 # -- images (serve/responses.py respond) ---------------------------------------------------------
 
 

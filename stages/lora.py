@@ -22,6 +22,7 @@ shape).
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -117,3 +118,77 @@ def _add_row_updates(module, args, output: torch.Tensor) -> torch.Tensor:
         update = update * scales.view(-1, *([1] * (update.dim() - 1)))
         output = output.index_add(0, index, update.to(output.dtype))
     return output
+
+
+def adapter_bytes(model: torch.nn.Module, name: str) -> int:
+    """The bytes adapter `name`'s low-rank weights take in `model`."""
+    from peft.tuners.lora import LoraLayer
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and name in module.lora_A:
+            for part in (module.lora_A[name], module.lora_B[name]):
+                total += sum(p.numel() * p.element_size() for p in part.parameters())
+    return total
+
+
+class AdapterGate:
+    """Forwards through a model's LoRA layers hold the gate shared; loading and unloading adapters hold it alone
+    (PEFT replaces modules and activates a new adapter while it loads, which a forward running then would see).
+    Writers go first: a forward waits while a load waits. A thread already inside a forward may enter again.
+
+    `using(names)` is a forward's entry: `ensure(names)` (a registry loads the adapters it had evicted), then the
+    shared hold."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+        self._local = threading.local()
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        if not depth:
+            with self._cond:
+                while self._writing or self._writers_waiting:
+                    self._cond.wait()
+                self._readers += 1
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if not depth:
+                with self._cond:
+                    self._readers -= 1
+                    if not self._readers:
+                        self._cond.notify_all()
+
+    @contextmanager
+    def change(self) -> Iterator[None]:
+        if getattr(self._local, "depth", 0):
+            raise RuntimeError("an adapter load or unload from inside a forward would wait for itself")
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writing or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+    def ensure(self, names: Sequence[str]) -> None:
+        """Make the adapters `names` resident (a registry with a byte budget reloads the ones it evicted)."""
+
+    @contextmanager
+    def using(self, names: Sequence[str] = ()) -> Iterator[None]:
+        if names and not getattr(self._local, "depth", 0):
+            self.ensure(names)
+        with self.forward():
+            yield

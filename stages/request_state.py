@@ -172,6 +172,10 @@ class RequestHandle:
     def cancel(self) -> None:
         self._executor.cancel(self._state.request_id)
 
+    def on_close(self, callback) -> None:
+        """Call `callback` once the request has ended (now, if it has)."""
+        self._state.on_close(callback)
+
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Block until the request ends; return the final outputs or raise its StageError."""
         last = None

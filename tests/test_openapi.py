@@ -32,7 +32,7 @@ def _engine():
 
 @pytest.fixture
 def app(tmp_path):
-    return create_app(_engine(), api_keys={"sk-test": "alice"}, data_dir=tmp_path)
+    return create_app(_engine(), api_keys={"sk-test": "alice"}, data_dir=tmp_path, admin_key="admin-test")
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ class Server:
     """`python -m serve.cli serve --config FILE` in a subprocess; `url` once /ready answers 200."""
 
     def __init__(self, workdir: Path, config_toml: str, *, extra_args: tuple[str, ...] = (),
-                 ready_timeout_s: float = 120):
+                 ready_timeout_s: float = 120, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "mmserve.toml"
@@ -56,7 +56,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve.cli", "--log-level", "warning", "serve", "--port", str(self.port),
              "--config", str(config), *extra_args],
-            cwd=REPO, env=ENV, stdout=self._log, stderr=subprocess.STDOUT)
+            cwd=REPO, env={**ENV, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_ready(ready_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from pipelines.families.diffusion_base import DiffusionFamily
-from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task, resolve_lora
+from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
 from stages.stage import WorkItem
 
 
@@ -59,7 +59,7 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         if request.lora:
             if request.step_cache is not None:
                 raise RequestError("lora", "lora with step_cache is not supported yet: ask for one of them")
-            request = dataclasses.replace(request, lora=resolve_lora(self.name, self.loras, request.lora))
+            request = dataclasses.replace(request, lora=self.loras.resolve(request.lora))
         return request
 
     # -- prepare helpers shared by the image families -----------------------------------------

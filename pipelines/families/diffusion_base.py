@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import threading
 import warnings
 from typing import Any, Generic, Hashable, TypeVar
@@ -21,12 +22,15 @@ from typing import Any, Generic, Hashable, TypeVar
 import torch
 
 from encoders.cache import EncoderCache
+from pipelines.adapters import Adapters
 from pipelines.config import LoraSpec
 from pipelines.families.speedups import DenoiserSpeedups
 from pipelines.image_request import ImageRequest, Task
 from pipelines.video import VideoRequest, VideoTask
 from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -64,7 +68,7 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
             self.pipes[task] = cls(**base.components, **config)
             self.pipes[task].set_progress_bar_config(disable=True)
         self.weights_id = f"{self.family}:{path}"  # enters cache identities; a reload gets a new object anyway
-        self.loras: dict[str, LoraSpec] = {}  # adapters a request may name (load_loras)
+        self.loras = Adapters(name, self.load_adapter, self.unload_adapter)  # LoRAs a request may name
         self._vae_lock = threading.Lock()  # the VAE is shared by prepare (encode), previews and decode
         self.speedups = Speedups()
         self.denoiser = DenoiserCall(name)  # every speed-up off until `accelerate`
@@ -79,27 +83,48 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
         """The other tasks' pipeline classes, built on the loaded base's modules."""
         raise NotImplementedError
 
-    def load_loras(self, loras: tuple[LoraSpec, ...]) -> None:
-        """Load each adapter with diffusers' `load_lora_weights` (every format it reads) into the pipeline's
-        modules, then have their LoRA layers apply adapters per row (stages/lora.py): the base weights stay as they
-        are, and a request without adapters runs the base model. A file that is not a LoRA of this model fails here,
-        naming it."""
+    def load_adapter(self, spec: LoraSpec) -> int:
+        """Load one adapter with diffusers' `load_lora_weights` (every format it reads) into the pipeline's modules,
+        then have their LoRA layers apply adapters per row (stages/lora.py): the base weights stay as they are, and
+        a request without adapters runs the base model. A file that is not a LoRA of this model fails here, naming
+        it. Returns the adapter's bytes. (The Adapters registry calls it, holding the gate alone.)"""
+        from stages.lora import adapter_bytes, mix_lora_layers
+
+        try:
+            with warnings.catch_warnings():  # PEFT warns of a second adapter in a model: that is the point here
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                self.pipe.load_lora_weights(spec.path, adapter_name=spec.name)
+        except Exception as exc:  # diffusers and PEFT raise many kinds (shape mismatch, missing keys, bad file)
+            self._forget_adapter(spec.name)  # what a partial load injected
+            raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) does not load: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        modules = self.adapted_modules()
+        if not sum(mix_lora_layers(module) for module in modules):
+            self._forget_adapter(spec.name)
+            raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) targets no linear layer")
+        return sum(adapter_bytes(module, spec.name) for module in modules)
+
+    def unload_adapter(self, name: str) -> None:
         from stages.lora import mix_lora_layers
 
+        self.pipe.delete_adapters(name)
+        for module in self.adapted_modules():  # PEFT activates a remaining adapter: off again
+            mix_lora_layers(module)
+
+    def _forget_adapter(self, name: str) -> None:
+        try:
+            self.unload_adapter(name)
+        except Exception:  # nothing of it was injected
+            log.debug("model %s: nothing of lora %s to take out", self.name, name, exc_info=True)
+
+    def adapted_modules(self) -> list[torch.nn.Module]:
+        return [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
+
+    def load_loras(self, loras: tuple[LoraSpec, ...], *, budget_bytes: int | None = None, dirs=()) -> None:
+        """The model's declared adapters, its budget of resident adapter bytes and its run-time lora_dirs."""
+        self.loras.budget_bytes, self.loras.dirs = budget_bytes, tuple(dirs)
         for spec in loras:
-            try:
-                with warnings.catch_warnings():  # PEFT warns of a second adapter in a model: that is the point here
-                    warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-                    self.pipe.load_lora_weights(spec.path, adapter_name=spec.name)
-            except Exception as exc:  # diffusers and PEFT raise many kinds (shape mismatch, missing keys, bad file)
-                raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) does not load: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-            self.loras[spec.name] = spec
-        if loras:
-            mixed = sum(mix_lora_layers(module) for module in self.pipe.components.values()
-                        if isinstance(module, torch.nn.Module))
-            if not mixed:
-                raise ValueError(f"model {self.name}: its loras target no linear layer")
+            self.loras.add(spec)
 
     # -- facts the API layer needs --------------------------------------------------------
     @property
@@ -174,10 +199,10 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
 
         options = options or {}
         key = (tenant, self.weights_id, str(self.dtype), self.text_key(text, **options), tuple(sorted(options.items())),
-               lora)
+               self.loras.identity(lora))
 
         def encode() -> dict[str, torch.Tensor]:
-            with rows_use([lora]):
+            with self.loras.using([name for name, _ in lora]), rows_use([lora]):
                 return self.encode_text(text, **options)
         return self.prompt_cache.get_or_compute(key, encode)
 

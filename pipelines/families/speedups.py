@@ -15,7 +15,7 @@ from stages.diffusion.block_stack import CacheSpec, RowGroup
 from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.diffusion.ranks import RankGroup
 from stages.diffusion.step_cache import StepCacheState
-from stages.lora import rows_use
+from stages.lora import AdapterGate, rows_use
 from stages.stage import WorkItem
 
 
@@ -25,6 +25,7 @@ class SpeedupHost(Protocol):
 
     name: str  # the served model's name (metric labels)
     family: str
+    loras: AdapterGate  # every denoiser forward holds it (adapters load and unload between forwards)
 
     @property
     def pipe(self) -> Any:
@@ -105,11 +106,12 @@ class DenoiserSpeedups(SpeedupHost):
             cfg = all(item.inputs["cond"]["cfg"] for item in items)
             out = parallel_forward(self, key, fn, batched, shared or {}, cfg and self.parallel.cfg == 2, sizes, groups)
         uses = [getattr(item.inputs["request"], "lora", ()) for item in items]
-        if out is None and any(uses):  # adapters per row (stages/lora.py): eager, outside any captured graph
-            with rows_use([use for use, size in zip(uses, sizes) for _ in range(size)]):
-                out = fn(**batched, **(shared or {}))
-        if out is None:
-            out = self.denoiser(key, fn, batched, shared or {}, groups)
+        with self.loras.using([name for use in uses for name, _ in use]):
+            if out is None and any(uses):  # adapters per row (stages/lora.py): eager, outside any captured graph
+                with rows_use([use for use, size in zip(uses, sizes) for _ in range(size)]):
+                    out = fn(**batched, **(shared or {}))
+            if out is None:
+                out = self.denoiser(key, fn, batched, shared or {}, groups)
         return self.split(out, sizes)
 
     def rank_denoise(self, key: str, step_groups: list[tuple], **inputs: Any) -> torch.Tensor:

@@ -16,7 +16,7 @@ from stages.cuda_graphs import GraphConfig, GraphRunner
 from stages.llm import attention
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
-from stages.lora import rows_use
+from stages.lora import AdapterGate, rows_use
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -52,6 +52,7 @@ class ModelRunner:
         self.model = model
         self.decoder = decoder if decoder is not None else getattr(model, model.base_model_prefix)
         self.mrope = mrope
+        self.adapters = AdapterGate()  # a served model's Adapters registry replaces it (pipelines/adapters.py)
         config = self.model.config.get_text_config()
         self.config = config
         heads = config.num_attention_heads
@@ -77,9 +78,14 @@ class ModelRunner:
             self.decode_graphs = GraphRunner(f"{name}/decode", self._decode_forward, graphs, pad_values=pads,
                                              observer=observer)
 
-    @torch.inference_mode()
     def execute(self, plan: Plan) -> torch.Tensor:
-        """Run the plan's chunks as one packed forward; return float32 logits [rows that sample, V]."""
+        """Run the plan's chunks as one packed forward; return float32 logits [rows that sample, V]. The forward
+        holds the model's adapter gate (adapters load and unload between forwards)."""
+        with self.adapters.using([name for c in plan.chunks for name, _ in c.seq.lora]):
+            return self._execute(plan)
+
+    @torch.inference_mode()
+    def _execute(self, plan: Plan) -> torch.Tensor:
         for src, dst in plan.copies:  # copy-on-write of shared partial blocks, before anyone writes them
             for cache in (*self.k_caches, *self.v_caches):
                 cache[dst].copy_(cache[src])
