@@ -11,7 +11,9 @@ row of that forward:
 
 the same update PEFT computes for an adapter activated with `set_adapters([...], [w])`, computed only for the rows
 that use it (a gathered low-rank matmul: one pair of small matmuls per adapter in the batch, not per request).
-A row may use several adapters at once, each with its weight.
+A row may use several adapters at once, each with its weight. On CUDA tensors (or inside `kernel_use(True)`) the
+layer's adapters are stacked into slots, ranks zero-padded to a multiple of RANK_BUCKET, and one Triton kernel call
+applies every row's updates (stages/kernels/lora.py); elsewhere each adapter is a torch gather as above.
 
 Rows are the forward's leading dimension: the requests' latents in a denoiser batch (classifier-free guidance's
 two halves are rows too), the prompts in a text encoder batch; in a packed token batch ([1, tokens, features], the
@@ -52,6 +54,8 @@ class RowAdapters:
 
 
 _ROWS: ContextVar[RowAdapters | None] = ContextVar("mmserve_lora_rows", default=None)
+_KERNEL: ContextVar[bool | None] = ContextVar("mmserve_lora_kernel", default=None)  # None: on CUDA tensors
+RANK_BUCKET = 16  # stacked adapters' ranks are padded up to a multiple of it (stages/kernels/lora.py)
 _MIXED: weakref.WeakSet = weakref.WeakSet()  # the layers whose forward hook adds the rows' updates
 
 
@@ -104,6 +108,8 @@ def _add_row_updates(module, args, output: torch.Tensor) -> torch.Tensor:
             .reshape(output.shape)
     if not every_row and x.shape[0] != len(plan.rows):
         raise RuntimeError(f"a LoRA plan of {len(plan.rows)} rows for a forward of {x.shape[0]}")
+    if use_kernel(x):
+        return _kernel_row_updates(module, plan, x, output)
     for name, (rows, weights) in plan.groups.items():
         if name not in module.lora_A:  # this adapter does not touch this layer
             continue
@@ -192,3 +198,71 @@ class AdapterGate:
             self.ensure(names)
         with self.forward():
             yield
+
+
+@contextmanager
+def kernel_use(enabled: bool | None) -> Iterator[None]:
+    """Within the block, the per-row updates run on the Triton kernel (True; on CPU tensors it needs
+    TRITON_INTERPRET=1), on the torch gather (False), or on the kernel for CUDA tensors only (None, the default)."""
+    token = _KERNEL.set(enabled)
+    try:
+        yield
+    finally:
+        _KERNEL.reset(token)
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    enabled = _KERNEL.get()
+    return x.is_cuda if enabled is None else enabled
+
+
+def _stacked(module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's adapters `names` as the kernel's slots: A [S, R, IN], B [S, OUT, R], ranks zero-padded to a
+    multiple of RANK_BUCKET. Cached on the layer until its adapters' weights change (a load, an unload)."""
+    weights = tuple((module.lora_A[n].weight, module.lora_B[n].weight) for n in names)
+    key = (names, tuple((id(a), id(b), a._version, b._version) for a, b in weights))
+    cached = getattr(module, "_mmserve_stacked", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rank = max(a.shape[0] for a, _ in weights)
+    rank = -(-rank // RANK_BUCKET) * RANK_BUCKET
+    a0, b0 = weights[0]
+    stack_a = a0.new_zeros((len(names), rank, a0.shape[1]))
+    stack_b = b0.new_zeros((len(names), b0.shape[0], rank))
+    for slot, (a, b) in enumerate(weights):
+        stack_a[slot, :a.shape[0]] = a
+        stack_b[slot, :, :b.shape[1]] = b
+    module._mmserve_stacked = (key, (stack_a, stack_b))
+    return stack_a, stack_b
+
+
+def _kernel_row_updates(module, plan: RowAdapters, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """The plan's updates for this layer in one kernel call (stages/kernels/lora.py): each row of the forward is
+    x's leading index; its tokens (the middle dimensions) each become an entry per adapter of the row."""
+    from stages.kernels.lora import lora_rows
+
+    names = tuple(n for n in plan.groups if n in module.lora_A)
+    if not names:
+        return output
+    stack_a, stack_b = _stacked(module, names)
+    lead = x.shape[0]
+    per_row = x[0].numel() // x.shape[-1] if x.dim() > 1 and lead else 0  # tokens of one row
+    rows, slots, scales = [], [], []
+    for slot, name in enumerate(names):
+        row_ids, weights = plan.groups[name]
+        if len(plan.rows) == 1:  # one plan row: every row of the forward
+            row_ids, weights = list(range(lead)), weights * lead
+        rows += row_ids
+        slots += [slot] * len(row_ids)
+        scales += [scale_of(module, name, w) for w in weights]
+    device = x.device
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)
+    tokens = (row_index[:, None] * per_row + torch.arange(per_row, device=device)).reshape(-1)
+    repeat = per_row
+    flat_x = x.reshape(-1, x.shape[-1])
+    flat_out = output.reshape(-1, output.shape[-1])
+    result = lora_rows(flat_x, flat_out, stack_a, stack_b, tokens,
+                       torch.tensor(slots, dtype=torch.long, device=device).repeat_interleave(repeat),
+                       torch.tensor(scales, dtype=torch.float32, device=device).repeat_interleave(repeat),
+                       use_triton=True)
+    return result.reshape(output.shape)

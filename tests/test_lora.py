@@ -373,3 +373,34 @@ def test_sdxl_adapters_on_the_unet_and_both_text_encoders_equal_diffusers(tmp_pa
     ref.set_adapters(["s"], [0.8])
     want = ref("a cat", generator=seeded(4), output_type="np", **call).images
     np.testing.assert_allclose(ours["pixels"], want, atol=ATOL)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 16), (7, 16)])
+def test_the_kernel_path_equals_the_torch_gather(shape):
+    """The per-row updates through the Triton kernel (stages/kernels/lora.py, the interpreter here; what CUDA
+    tensors use) equal the torch gather's for rows with one adapter, two, none, and a one-row plan: a [rows, tokens,
+    features] forward (a denoiser's) and a packed [tokens, features] one (the llm stage's)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from stages.lora import kernel_use
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 16))
+    for name, rank in (("p", 4), ("q", 3)):
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["0", "2"], init_lora_weights=False)
+        inject_adapter_in_model(config, model, adapter_name=name)
+    assert mix_lora_layers(model) == 2
+    x = torch.randn(*shape)
+    plans = [[(("p", 0.5),), (("q", 1.5), ("p", -1.0)), ()] + [(("q", 1.0),)] * (shape[0] - 3),
+             [(("p", 0.8), ("q", 0.3))]]
+    with torch.no_grad():
+        base = model(x)
+        for plan in plans:
+            with rows_use(plan), kernel_use(False):
+                gathered = model(x)
+            with rows_use(plan), kernel_use(True):
+                kernel = model(x)
+            torch.testing.assert_close(kernel, gathered, rtol=0, atol=1e-5)
+            assert (gathered - base).abs().max() > 1e-2
+        with rows_use(plans[0]), kernel_use(True):  # the row without adapters stays the base model's
+            torch.testing.assert_close(model(x)[2], base[2], rtol=0, atol=1e-6)
