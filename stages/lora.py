@@ -70,6 +70,21 @@ def rows_use(rows: Sequence[Use]) -> Iterator[None]:
         _ROWS.reset(token)
 
 
+@contextmanager
+def rows_subset(rows: Sequence[int]) -> Iterator[None]:
+    """Within the block, forwards run only `rows` (indices into the current plan's rows: the rows a step cache's
+    blocks compute); a one-row plan, or none, stays as it is."""
+    plan = _ROWS.get()
+    token = None
+    if plan is not None and len(plan.rows) > 1:
+        token = _ROWS.set(RowAdapters(tuple(plan.rows[i] for i in rows)))
+    try:
+        yield
+    finally:
+        if token is not None:
+            _ROWS.reset(token)
+
+
 def mix_lora_layers(model: torch.nn.Module) -> int:
     """Make every PEFT LoRA linear layer of `model` apply adapters per row (`rows_use`) instead of its active ones;
     call again after each adapter load (loading activates the new adapter). Returns the number of such layers."""

@@ -404,3 +404,32 @@ def test_the_kernel_path_equals_the_torch_gather(shape):
             assert (gathered - base).abs().max() > 1e-2
         with rows_use(plans[0]), kernel_use(True):  # the row without adapters stays the base model's
             torch.testing.assert_close(model(x)[2], base[2], rtol=0, atol=1e-6)
+
+
+def test_adapters_with_step_caching_equal_their_solo_runs(tmp_path_factory):
+    """FLUX with a LoRA and step caching (interval 2) in one denoiser batch beside a request with the adapter and
+    no cache and one with the cache and no adapter: where the cached request's steps reuse, the blocks compute only
+    the other rows, and the plan follows them. Each equals its run alone; the adapter and the cache both change the
+    output; steps were skipped."""
+    from pipelines.demo import build_demo_model
+    from stages.diffusion.step_cache import StepCacheConfig, StepCacheParams
+
+    path = str(build_demo_model("flux", tmp_path_factory.mktemp("flux-sc") / "flux"))
+    lora_dir = build_diffusion_lora(path, tmp_path_factory.mktemp("flux-sc-lora"), 7, {
+        "transformer": dict(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])})
+    interval = StepCacheParams("interval", interval=2)
+    cases = [((("f", 0.9),), interval), ((("f", 0.4),), None), ((), interval)]
+    call = dict(prompt="a red bicycle", width=32, height=32, num_inference_steps=5, seed=2)
+    with running_engine(path, max_batch_size=4, loras=(LoraSpec("f", lora_dir),),
+                        step_cache=StepCacheConfig(enabled=True)) as eng:
+        handles = [eng.submit_image("m", ImageRequest(lora=lora, step_cache=sc, **call)) for lora, sc in cases]
+        together = [h.result(timeout=120)["pixels"] for h in handles]
+        assert eng.metrics.stage.max_batch_size("m/denoise", "m") >= 2
+        skipped = eng.metrics.registry.get_sample_value(
+            "mmserve_step_cache_steps_total", {"model": "m", "method": "interval", "outcome": "skipped"})
+        assert skipped and skipped > 0
+        alone = [eng.submit_image("m", ImageRequest(lora=lora, step_cache=sc, **call)).result(timeout=120)["pixels"]
+                 for lora, sc in cases]
+    for got, want in zip(together, alone):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    assert np.abs(together[0] - together[1]).max() > 1e-3 and np.abs(together[0] - together[2]).max() > 1e-3

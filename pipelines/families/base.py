@@ -57,8 +57,6 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
                                    limits=limits)
         self.check_step_cache(request.step_cache)
         if request.lora:
-            if request.step_cache is not None:
-                raise RequestError("lora", "lora with step_cache is not supported yet: ask for one of them")
             request = dataclasses.replace(request, lora=self.loras.resolve(request.lora))
         return request
 

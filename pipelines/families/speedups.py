@@ -109,7 +109,10 @@ class DenoiserSpeedups(SpeedupHost):
         with self.loras.using([name for use in uses for name, _ in use]):
             if out is None and any(uses):  # adapters per row (stages/lora.py): eager, outside any captured graph
                 with rows_use([use for use, size in zip(uses, sizes) for _ in range(size)]):
-                    out = fn(**batched, **(shared or {}))
+                    if any(g.state is not None for g in groups):  # step caching: each request's own state
+                        out = self.denoiser(key, fn, batched, shared or {}, groups)
+                    else:
+                        out = fn(**batched, **(shared or {}))
             if out is None:
                 out = self.denoiser(key, fn, batched, shared or {}, groups)
         return self.split(out, sizes)

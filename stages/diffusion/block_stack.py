@@ -29,6 +29,7 @@ from stages.diffusion.step_cache import (
     decide_teacache,
     must_compute,
 )
+from stages.lora import rows_subset
 
 # Block arguments that are shared by every row (positions, options): never sliced by rows.
 SHARED_ARGS = frozenset({"image_rotary_emb", "rotary_emb", "joint_attention_kwargs", "attention_kwargs",
@@ -139,7 +140,8 @@ class StackRun:
         for name, value in list(bound.arguments.items()):
             if name not in SHARED_ARGS:
                 bound.arguments[name] = _take_rows(value, index, self.rows)
-        return original(*bound.args, **bound.kwargs)
+        with rows_subset(self.active):  # the LoRA plan's rows follow (stages/lora.py)
+            return original(*bound.args, **bound.kwargs)
 
     # -- decisions --------------------------------------------------------------------------
     def _before_first(self, args: dict[str, Any]) -> None:
