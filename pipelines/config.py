@@ -10,6 +10,7 @@ from pipelines.asr import AsrConfig
 from pipelines.chat import LLMConfig
 from pipelines.chat_parts import VLMConfig
 from pipelines.image_request import ImageLimits
+from pipelines.quantize import Quantization
 from pipelines.video import VideoConfig
 from stages.cuda_graphs import GraphConfig
 from stages.diffusion.compile import CompileConfig
@@ -102,6 +103,9 @@ class ModelSpec:
     loras: tuple[LoraSpec, ...] = ()  # LoRA adapters a request may name (`lora` field; "base:adapter" for chat)
     lora_dirs: tuple[Path, ...] = ()  # where `POST /v1/loras` may load adapters from at run time (none: it may not)
     lora_budget_mb: float | None = None  # bytes of adapter weights resident in the model (an LRU); None: no limit
+    # diffusion only: component (model_index.json name) -> "int8wo" | "fp8" | "int4wo" | "nf4" | "gguf:FILE"
+    # (pipelines/quantize.py)
+    quantize: dict[str, str] = field(default_factory=dict)
     # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
     # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
     # names no model gets a random-weight model only when no real-weight one does its task
@@ -128,6 +132,8 @@ class ModelSpec:
         if self.lora_budget_mb is not None and not (isinstance(self.lora_budget_mb, (int, float))
                                                     and self.lora_budget_mb > 0):
             raise ValueError(f"model {self.name}: lora_budget_mb must be a number > 0, got {self.lora_budget_mb!r}")
+        if self.quantize:
+            Quantization(dict(self.quantize)).check(self.name, self.device)
         for folder in self.lora_dirs:
             if not Path(folder).is_dir():
                 raise ValueError(f"model {self.name}: lora_dirs entry {str(folder)!r} is not a directory")

@@ -129,6 +129,9 @@ class Engine:
 
     def _load(self, spec: ModelSpec) -> None:
         family = spec.family or detect_family(spec.path)
+        if spec.quantize and not issubclass(served_class(family), ServedDiffusion):
+            raise ValueError(f"model {spec.name}: quantize is for the components of diffusion models ({family} is "
+                             "not one)")
         # On the ray backend each replica is an actor with its own copy on its device; this process's copy, on the
         # CPU, answers checks and batch keys and runs no forward (so no parallel ranks either).
         context = LoadContext(self.metrics, self.prompt_cache, self.encoder_cache, self.config.limits, self.media,

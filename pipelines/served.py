@@ -25,6 +25,7 @@ from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
 from pipelines.image_request import ImageLimits, ImageRequest, ModelNotFound, RequestError, Task
 from pipelines.omni import TalkerStage, Token2WavStage, VocoderStage, not_speaking
+from pipelines.quantize import quantized_methods
 from pipelines.registry import family_class
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
@@ -54,6 +55,8 @@ class ModelInfo:
     default_size: int = 0  # diffusion: square size used when the request names none
     voices: tuple[str, ...] = ()  # text-to-speech models: the voice names a request may use
     adapters: tuple[str, ...] = ()  # LoRA adapters a request may name (`lora`)
+    quantization: dict | None = None  # diffusion: component -> method ([models.quantize])
+    resident_bytes: int | None = None  # diffusion: bytes of the weights as loaded
     video_defaults: dict | None = None  # video models: {"width", "height", "num_frames", "fps", "frame_factor"}
     random_weights: bool = False  # a demo/test checkpoint: real code path, noise out; never a default when a
     #                               real-weight model does the task (model_default.py)
@@ -120,7 +123,8 @@ def load_family(spec: ModelSpec, family_name: str, prompt_cache: EncoderCache) -
     """The diffusion family of `spec` loaded on spec.device (a served model's, or a parallel replica's rank's)."""
     cls = family_class(family_name)
     options = {"video": spec.video} if issubclass(cls, VideoFamily) else {}
-    return cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype, prompt_cache=prompt_cache, **options)
+    return cls(spec.name, spec.path, device=spec.device, dtype=spec.dtype, prompt_cache=prompt_cache,
+               quantize=spec.quantize, **options)
 
 
 def lora_limits(spec: ModelSpec) -> dict[str, Any]:
@@ -157,13 +161,15 @@ class ServedDiffusion:
         self.device = spec.device
         self.media, self.media_pool, self.decode_limits = ctx.media, ctx.media_pool, ctx.media_config.image
         tasks = _realtime_video(family_name, family.tasks)
+        memory: dict[str, Any] = {"quantization": quantized_methods(family.quantization) or None,
+                                  "resident_bytes": family.resident_bytes}
         if isinstance(family, VideoFamily):
             (width, height), video = family.request_default_size, family.video_defaults
             self.info = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor, max(width, height),
-                                  video_defaults=video, random_weights=random_weights)
+                                  video_defaults=video, random_weights=random_weights, **memory)
         else:
             self.info = ModelInfo(spec.name, family_name, spec.path, tasks, family.size_factor, family.default_size,
-                                  random_weights=random_weights, adapters=family.loras.names())
+                                  random_weights=random_weights, adapters=family.loras.names(), **memory)
 
     def close(self) -> None:
         """Stop what runs outside the serving process (a parallel replica's ranks)."""

@@ -303,7 +303,8 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
-                  "video", "random_weights", "parallel", "loras", "lora_dirs", "lora_budget_mb") + SPEEDUP_KEYS, where)
+                  "video", "random_weights", "parallel", "loras", "lora_dirs", "lora_budget_mb", "quantize")
+          + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
             raise ValueError(f"{where}: '{key}' is required (a string)")
@@ -327,6 +328,12 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
         if not isinstance(loras, list):
             raise ValueError(f"{where} loras: expected an array of tables ([[models.loras]])")
         values["loras"] = tuple(_lora(table, f"{where} loras #{i + 1}", base) for i, table in enumerate(loras))
+    if "quantize" in values:  # [models.quantize] transformer = "int8wo", or "gguf:flux1-dev-Q4_K_S.gguf"
+        quantize = values["quantize"]
+        if not isinstance(quantize, dict) or not all(isinstance(v, str) and v for v in quantize.values()):
+            raise ValueError(f"{where} quantize: expected a table of component = \"method\" strings")
+        values["quantize"] = {k: f"gguf:{_path(v[5:], base)}" if v.startswith("gguf:") else v
+                              for k, v in quantize.items()}
     if "lora_dirs" in values:  # lora_dirs = ["loras"]: relative to the config file
         dirs = values["lora_dirs"]
         if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):

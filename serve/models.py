@@ -51,11 +51,14 @@ def resolve_model(engine, name: str | None, task: str, *, does: str, kind: str, 
 
 def model_object(info, created: int) -> dict[str, Any]:
     """One entry of /v1/models, and GET /v1/models/{id}: OpenAI's model object plus family, tasks,
-    random_weights, (text-to-speech and voice models) voices and (models serving LoRAs) adapters."""
+    random_weights, (text-to-speech and voice models) voices, (models serving LoRAs) adapters and (diffusion models)
+    quantization and resident_bytes."""
     return {"id": info.id, "object": "model", "created": created, "owned_by": "mmserve", "family": info.family,
             "tasks": list(info.tasks), "random_weights": info.random_weights,
             **({"voices": list(info.voices)} if info.voices else {}),
-            **({"adapters": list(info.adapters)} if info.adapters else {})}
+            **({"adapters": list(info.adapters)} if info.adapters else {}),
+            **({"quantization": dict(info.quantization)} if info.quantization else {}),
+            **({"resident_bytes": info.resident_bytes} if info.resident_bytes is not None else {})}
 
 
 def adapter_id(engine, name: str | None) -> tuple[str, str] | None:

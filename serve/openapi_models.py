@@ -59,6 +59,8 @@ class Model(BaseModel):
     voices: list[str] | None = None  # extension: text-to-speech models only
     adapters: list[str] | None = None  # extension: the LoRA adapters a request may name
     parent: str | None = None  # extension: a "base:adapter" id's base model
+    quantization: dict[str, str] | None = None  # extension: diffusion components -> method ("int8wo", "gguf", ...)
+    resident_bytes: int | None = None  # extension: diffusion models: bytes of the weights as loaded
 
 
 class ModelList(BaseModel):

@@ -26,6 +26,7 @@ from pipelines.adapters import Adapters
 from pipelines.config import LoraSpec
 from pipelines.families.speedups import DenoiserSpeedups
 from pipelines.image_request import ImageRequest, Task
+from pipelines.quantize import Quantization, module_bytes
 from pipelines.video import VideoRequest, VideoTask
 from stages.diffusion.denoiser import DenoiserCall, Speedups
 from stages.stage import WorkItem
@@ -49,14 +50,16 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
     load_kwargs: dict[str, Any] = {}  # extra from_pretrained arguments
 
     def __init__(self, name: str, path: str, *, device: str = "cpu", dtype: str = "float32",
-                 prompt_cache: EncoderCache | None = None):
+                 prompt_cache: EncoderCache | None = None, quantize: dict[str, str] | None = None):
         self.name = name
         self.path = path
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.prompt_cache = prompt_cache if prompt_cache is not None else EncoderCache(f"{name}/prompt", 0)
+        self.quantization = Quantization(dict(quantize)) if quantize else None  # pipelines/quantize.py
         first_task, base_cls = self.base_pipeline()
-        base = base_cls.from_pretrained(path, dtype=self.dtype, **self.load_kwargs)
+        quantized = self.quantization.load_kwargs(path, self.dtype) if self.quantization else {}
+        base = base_cls.from_pretrained(path, dtype=self.dtype, **quantized, **self.load_kwargs)
         base.set_progress_bar_config(disable=True)
         base.to(self.device)
         # The variants share the same module objects (no extra weights in memory) and the base's own settings.
@@ -67,7 +70,8 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
                       if k in params and k not in base.components and not k.startswith("_")}
             self.pipes[task] = cls(**base.components, **config)
             self.pipes[task].set_progress_bar_config(disable=True)
-        self.weights_id = f"{self.family}:{path}"  # enters cache identities; a reload gets a new object anyway
+        # enters cache identities (quantized weights make other embeddings); a reload gets a new object anyway
+        self.weights_id = f"{self.family}:{path}" + (f":{sorted(quantize.items())}" if quantize else "")
         self.loras = Adapters(name, self.load_adapter, self.unload_adapter)  # LoRAs a request may name
         self._vae_lock = threading.Lock()  # the VAE is shared by prepare (encode), previews and decode
         self.speedups = Speedups()
@@ -118,7 +122,13 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
             log.debug("model %s: nothing of lora %s to take out", self.name, name, exc_info=True)
 
     def adapted_modules(self) -> list[torch.nn.Module]:
+        """The pipeline's modules (a LoRA may adapt any of them)."""
         return [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the pipeline's weights as loaded (quantized ones at their stored size)."""
+        return sum(module_bytes(m) for m in self.adapted_modules())
 
     def load_loras(self, loras: tuple[LoraSpec, ...], *, budget_bytes: int | None = None, dirs=()) -> None:
         """The model's declared adapters, its budget of resident adapter bytes and its run-time lora_dirs."""
