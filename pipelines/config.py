@@ -10,6 +10,7 @@ from pipelines.asr import AsrConfig
 from pipelines.chat import LLMConfig
 from pipelines.chat_parts import VLMConfig
 from pipelines.image_request import ImageLimits
+from pipelines.offload import check_offload
 from pipelines.quantize import Quantization
 from pipelines.video import VideoConfig
 from stages.cuda_graphs import GraphConfig
@@ -106,6 +107,8 @@ class ModelSpec:
     # diffusion only: component (model_index.json name) -> "int8wo" | "fp8" | "int4wo" | "nf4" | "gguf:FILE"
     # (pipelines/quantize.py)
     quantize: dict[str, str] = field(default_factory=dict)
+    # diffusion only: component -> "block" | "leaf": weights on the CPU, streamed to the device (pipelines/offload.py)
+    offload: dict[str, str] = field(default_factory=dict)
     # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
     # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
     # names no model gets a random-weight model only when no real-weight one does its task
@@ -134,6 +137,9 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: lora_budget_mb must be a number > 0, got {self.lora_budget_mb!r}")
         if self.quantize:
             Quantization(dict(self.quantize)).check(self.name, self.device)
+        check_offload(self.name, self.offload)
+        if self.offload and (self.loras or self.lora_dirs or self.parallel.world > 1):
+            raise ValueError(f"model {self.name}: offload with loras or [models.parallel] is not supported yet")
         for folder in self.lora_dirs:
             if not Path(folder).is_dir():
                 raise ValueError(f"model {self.name}: lora_dirs entry {str(folder)!r} is not a directory")

@@ -9,6 +9,7 @@ runs every request the same way (`Engine.submit`). pipelines/registry.py maps ea
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -24,12 +25,14 @@ from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
 from pipelines.image_request import ImageLimits, ImageRequest, ModelNotFound, RequestError, Task
+from pipelines.offload import apply_offload
 from pipelines.omni import TalkerStage, Token2WavStage, VocoderStage, not_speaking
 from pipelines.quantize import quantized_methods
 from pipelines.registry import family_class
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
 from pipelines.vlm import VLM_FAMILY, DecodeChatMedia, VLMChatModel, decode_chat_media
+from stages.cuda_graphs import GraphConfig
 from stages.diffusion.stages import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.graph import Node, StageGraph
 from stages.llm.params import SamplingParams
@@ -37,6 +40,8 @@ from stages.media.stage import MediaDecodeStage, MediaEncodeStage, decode_images
 from stages.metrics import Metrics
 from stages.pool import PoolConfig
 from stages.stage import Stage
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pipelines.engine import Engine
@@ -145,7 +150,14 @@ class ServedDiffusion:
             raise ValueError(f"model {spec.name}: loras are for image and language models (video requests name no "
                              "adapter yet)")
         family.load_loras(spec.loras, **lora_limits(spec))  # before the speed-ups wrap the modules
-        family.accelerate(spec.speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
+        speedups = spec.speedups
+        if spec.offload:
+            apply_offload(spec.name, family.pipe.components, spec.offload, family.device)
+            if spec.graphs.enabled:
+                log.warning("model %s: CUDA graphs off: offloaded weights move between forwards, which a captured "
+                            "graph cannot follow", spec.name)
+                speedups = dataclasses.replace(speedups, graphs=GraphConfig())
+        family.accelerate(speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
         family.parallel = spec.parallel
         if spec.parallel.vae:  # the tiled decode's tiles over the ranks: tiling on (video.vae_tile's size)
             from pipelines.parallel_vae import check_parallel_vae
@@ -157,7 +169,7 @@ class ServedDiffusion:
             from pipelines.parallel import start_ranks
 
             family.ranks = start_ranks(spec, family_name, family, ctx.metrics)
-        self.name, self.model, self.graphs, self.limits = spec.name, family, spec.graphs, ctx.limits
+        self.name, self.model, self.graphs, self.limits = spec.name, family, speedups.graphs, ctx.limits
         self.device = spec.device
         self.media, self.media_pool, self.decode_limits = ctx.media, ctx.media_pool, ctx.media_config.image
         tasks = _realtime_video(family_name, family.tasks)

@@ -303,7 +303,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
-                  "video", "random_weights", "parallel", "loras", "lora_dirs", "lora_budget_mb", "quantize")
+                  "video", "random_weights", "parallel", "loras", "lora_dirs", "lora_budget_mb", "quantize", "offload")
           + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
@@ -334,6 +334,8 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
             raise ValueError(f"{where} quantize: expected a table of component = \"method\" strings")
         values["quantize"] = {k: f"gguf:{_path(v[5:], base)}" if v.startswith("gguf:") else v
                               for k, v in quantize.items()}
+    if "offload" in values and not isinstance(values["offload"], dict):  # [models.offload] transformer = "block"
+        raise ValueError(f"{where} offload: expected a table of component = \"block\" or \"leaf\"")
     if "lora_dirs" in values:  # lora_dirs = ["loras"]: relative to the config file
         dirs = values["lora_dirs"]
         if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):

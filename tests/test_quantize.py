@@ -129,3 +129,30 @@ def test_the_config_file_and_v1_models(paths, tmp_path):
         model = TestClient(create_app(eng)).get("/v1/models").json()["data"][0]
     assert model["quantization"] == {"transformer": "gguf", "text_encoder": "int8wo"}
     assert model["resident_bytes"] > 0
+
+
+@pytest.mark.parametrize("family, offload", [("sd", {"unet": "block", "text_encoder": "leaf"}),
+                                             ("flux", {"transformer": "block", "text_encoder_2": "leaf"})])
+def test_group_offload_equals_the_resident_model(paths, family, offload):
+    """[models.offload]: diffusers' group offloading hooks on the components (weights kept on the CPU, moved to the
+    device around each group's forward; on this CPU-only machine, CPU to CPU): the same images exactly, batched."""
+    plain, _, _ = images(paths[family], family)
+    offloaded, _, loaded = images(paths[family], family, offload=offload)
+    for a, b in zip(plain, offloaded):
+        np.testing.assert_array_equal(a, b)
+    for component in offload:
+        module = getattr(loaded.pipe, component)
+        assert any(getattr(m, "_diffusers_hook", None) is not None
+                   and m._diffusers_hook.get_hook("group_offloading") is not None for m in module.modules())
+
+
+def test_offload_refusals(paths):
+    from pipelines.config import LoraSpec, ModelSpec
+
+    with pytest.raises(ValueError, match=r"offload.unet = 'disk': expected one of \['block', 'leaf'\]"):
+        ModelSpec("m", paths["sd"], offload={"unet": "disk"})
+    with pytest.raises(ValueError, match="offload with loras"):
+        ModelSpec("m", paths["sd"], offload={"unet": "block"}, loras=(LoraSpec("a", "x"),))
+    with pytest.raises(ValueError, match=r"offload names \['transformer'\], which are not modules"):
+        with running_engine(paths["sd"], offload={"transformer": "block"}):
+            pass
