@@ -109,6 +109,8 @@ class ModelSpec:
     quantize: dict[str, str] = field(default_factory=dict)
     # diffusion only: component -> "block" | "leaf": weights on the CPU, streamed to the device (pipelines/offload.py)
     offload: dict[str, str] = field(default_factory=dict)
+    # diffusion only: weights plus one denoiser forward's activations (measured) must fit; None: no budget
+    memory_budget_mb: float | None = None
     # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
     # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
     # names no model gets a random-weight model only when no real-weight one does its task
@@ -138,6 +140,10 @@ class ModelSpec:
         if self.quantize:
             Quantization(dict(self.quantize)).check(self.name, self.device)
         check_offload(self.name, self.offload)
+        if self.memory_budget_mb is not None and not (isinstance(self.memory_budget_mb, (int, float))
+                                                      and self.memory_budget_mb > 0):
+            raise ValueError(f"model {self.name}: memory_budget_mb must be a number > 0, got "
+                             f"{self.memory_budget_mb!r}")
         if self.offload and (self.loras or self.lora_dirs or self.parallel.world > 1):
             raise ValueError(f"model {self.name}: offload with loras or [models.parallel] is not supported yet")
         for folder in self.lora_dirs:

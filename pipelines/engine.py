@@ -45,6 +45,7 @@ from pipelines.tts import SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
 from pipelines.vlm import VLMChatModel
 from pipelines.voice_turn import VoiceTurnRequest, fit_prompt, heard_prompt, turn_graph
+from stages.device_memory import DeviceMemory
 from stages.executor import GraphExecutor
 from stages.metrics import Metrics
 from stages.request_state import RequestHandle, settled
@@ -67,6 +68,7 @@ class Engine:
         self.config = config
         self.metrics = Metrics()
         self.executor = GraphExecutor(self.metrics, ThreadBudget(config.cpu_threads))
+        self.metrics.registry.register(DeviceMemory(lambda: self.executor.pools))
         self.prompt_cache = EncoderCache("prompt_embedding", config.prompt_cache_mb << 20, self._cache_event)
         self.encoder_cache = EncoderCache("encoder_output", config.encoder_cache_mb << 20, self._cache_event)
         self.models: dict[str, ModelInfo] = {}  # every served model and voice model, in configuration order

@@ -158,6 +158,7 @@ class ServedDiffusion:
                             "graph cannot follow", spec.name)
                 speedups = dataclasses.replace(speedups, graphs=GraphConfig())
         family.accelerate(speedups, ctx.metrics)  # fused kernels, compile, step-cache wrappers, graph config
+        family.set_memory_budget(None if spec.memory_budget_mb is None else int(spec.memory_budget_mb * 2**20))
         family.parallel = spec.parallel
         if spec.parallel.vae:  # the tiled decode's tiles over the ranks: tiling on (video.vae_tile's size)
             from pipelines.parallel_vae import check_parallel_vae
@@ -249,7 +250,9 @@ class ServedDiffusion:
                                             f"{factor}x{factor}", code="image_too_small")
         edit = dataclasses.replace(request, image=image, mask=mask, width=width, height=height, source=None)
         assert isinstance(self.model, ImageFamily)  # media_decode runs on image graphs only (stages)
-        return {"request": self.model.validate(edit, self.limits)}
+        edit = self.model.validate(edit, self.limits)
+        self.model.check_memory(edit)
+        return {"request": edit}
 
     def check(self, request: ImageRequest | VideoRequest) -> ImageRequest | VideoRequest:
         """The request as it will run (defaults filled, a seed drawn), or the field-naming RequestError."""
@@ -257,10 +260,14 @@ class ServedDiffusion:
             if not isinstance(self.model, VideoFamily):  # (routes refuse it sooner: unsupported_task)
                 raise ModelNotFound(f"model {self.name!r} does not make videos; it does "
                                     f"{list(self.info.tasks)}")
-            return self.model.validate(request)
+            video = self.model.validate(request)
+            self.model.check_memory(video)
+            return video
         if isinstance(self.model, VideoFamily):
             raise RequestError("model", f"model {self.name} makes videos ({list(self.model.tasks)}); use /v1/videos")
-        return self.model.validate(request, self.limits)
+        image = self.model.validate(request, self.limits)
+        self.model.check_memory(image)
+        return image
 
     def warm(self, engine: Engine) -> None:
         """A tiny request, or one per declared graph shape (each captures its buckets); then seal."""

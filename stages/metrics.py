@@ -41,6 +41,8 @@ class StageMetrics:
         self.thread_wait = Histogram("mmserve_stage_thread_wait_seconds", "Time a CPU stage worker waited for its "
                                      "torch threads (the shared thread budget) before a batch or loop step",
                                      ["stage", "model"], buckets=TIME_BUCKETS, registry=r)
+        self.oom = Counter("mmserve_stage_oom_total", "Out-of-memory errors in a loop step: each halved that batch "
+                           "key's cap and ran the step's items again, once", ["stage", "model"], registry=r)
         self.graph_requests = Counter("mmserve_graph_requests_total", "Graph requests by model and outcome",
                                       ["model", "outcome"], registry=r)
         self.graph_nodes = Counter("mmserve_graph_nodes_total", "Nodes of graph requests started, by the request's "

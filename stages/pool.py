@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from stages.diffusion.memory import is_out_of_memory
 from stages.events import ErrorKind, EventKind, StageError
 from stages.metrics import Metrics
 from stages.placement import Router, check_device, to_device
@@ -282,6 +284,7 @@ class StagePool:
         stage: LoopStage = self.stages[worker]  # type: ignore[assignment]
         active: list[WorkItem] = []
         turn: dict[Any, int] = {}  # batch key -> last step counter it ran at (round robin)
+        oom_caps: dict[Any, int] = {}  # batch key -> items a step may take since one ran out of memory
         counter = 0
         torch.set_num_threads(self.threads)  # this thread's OpenMP team
         while True:
@@ -305,7 +308,8 @@ class StagePool:
             for item in active:
                 groups.setdefault(stage.batch_key(item), []).append(item)
             key = min(groups, key=lambda k: turn.get(k, -1))
-            batch = groups[key][: self.config.max_batch_size]
+            batch = groups[key][: min(self.config.max_batch_size, oom_caps.get(key, self.config.max_batch_size))]
+            batch = batch[: max(1, stage.fit(batch))]
             counter += 1
             turn[key] = counter
             # Run one step, then commit: finished items leave the loop.
@@ -322,6 +326,8 @@ class StagePool:
                     self._m_active.dec()
                     self._finish(item, stage.finish(item))
             except Exception as exc:
+                if is_out_of_memory(exc):  # the step's items run it again, once, in batches half the size
+                    batch = self._after_oom(worker, key, batch, oom_caps, exc)
                 for item in batch:
                     if item in active:
                         active.remove(item)
@@ -332,6 +338,22 @@ class StagePool:
         for item in active:
             stage.abort(item)
             self._drop(item, StageError("shutting_down", "the server is shutting down", kind=ErrorKind.UNAVAILABLE))
+
+    def _after_oom(self, worker: int, key: Any, batch: list[WorkItem], oom_caps: dict[Any, int],
+                   exc: BaseException) -> list[WorkItem]:
+        """Free what the failed step held, halve the key's cap, keep the items that have not retried yet in the
+        loop (no step was committed: a forward fails before any item's commit); the rest fail."""
+        self.metrics.stage.oom.labels(stage=self.name, model=self.stage.model).inc()
+        oom_caps[key] = max(1, len(batch) // 2)
+        log.warning("%s: out of memory in a step of %d items (%s); the cap is now %d and the items run again",
+                    self.name, len(batch), exc, oom_caps[key])
+        gc.collect()
+        if self.devices[worker].type == "cuda":
+            torch.cuda.empty_cache()
+        failing = [item for item in batch if item.oom_retried]  # a second time: their requests fail
+        for item in batch:
+            item.oom_retried = True
+        return failing
 
     def _start_items(self, worker: int, stage: LoopStage, joining: list[WorkItem], active: list[WorkItem]) -> None:
         """Items join the loop at a step boundary (their initial latents, scheduler, ...)."""

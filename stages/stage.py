@@ -26,6 +26,7 @@ class WorkItem:
     piece: int | None = None  # a streamed node's piece: its position among the node's pieces
     route: Callable[..., bool] | None = None  # where a piece's events go (they are put in piece order there)
     replica: int | None = None  # a placed pool's replica it was routed to; None: whichever replica is free
+    oom_retried: bool = False  # loop stages: its step ran out of memory once and was run again
 
     @property
     def request_id(self) -> str:
@@ -89,6 +90,10 @@ class LoopStage(Stage):
     def step(self, items: list[WorkItem]) -> None:
         """Advance every item by one step (items may be at different positions)."""
         raise NotImplementedError
+
+    def fit(self, items: list[WorkItem]) -> int:
+        """How many of `items` (one batch key's, in order) one step may take (at least 1): a memory budget's cap."""
+        return len(items)
 
     def is_done(self, item: WorkItem) -> bool:
         raise NotImplementedError

@@ -18,6 +18,7 @@ from pipelines.families.diffusion_base import DiffusionFamily
 from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
 from stages.stage import WorkItem
 
+VAE_TILING_ABOVE_PX = 1024 * 1024  # with a memory budget, larger images decode in tiles
 
 class ImageFamily(DiffusionFamily[Task, ImageRequest]):
     """An image family: text-to-image and its edits (image-to-image, inpainting) on ImageRequests; a sibling
@@ -156,6 +157,8 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         lat = item.inputs["latents"]
         return (tuple(lat.shape[1:]), lat.dtype, tuple(sorted(item.inputs.get("decode_extras", {}).items())))
 
+    vae_tiling_above_px = VAE_TILING_ABOVE_PX
+
     def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
         """[N, ...] latents -> [N, H, W, 3] float pixels in [0, 1]."""
         raise NotImplementedError
@@ -163,8 +166,18 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
     @torch.inference_mode()
     def decode(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         latents = torch.cat([it.inputs["latents"] for it in items])
+        request = items[0].inputs["request"]
+        vae = self.pipe.vae
+        # with a memory budget, images above VAE_TILING_ABOVE_PX decode in tiles (diffusers' tiled decode)
+        tiled = self.memory_budget is not None and hasattr(vae, "use_tiling") and not vae.use_tiling \
+            and request.width * request.height > self.vae_tiling_above_px
         with self._vae_lock:
-            pixels = self.latents_to_pixels(latents, items[0].inputs.get("decode_extras", {}))
+            vae.use_tiling = vae.use_tiling or tiled
+            try:
+                pixels = self.latents_to_pixels(latents, items[0].inputs.get("decode_extras", {}))
+            finally:
+                if tiled:
+                    vae.use_tiling = False
         out, start = [], 0
         for item in items:
             n = item.inputs["latents"].shape[0]

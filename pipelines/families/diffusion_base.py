@@ -12,6 +12,7 @@ preparation) on a per-request *view* that carries the request's own scheduler; t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -25,10 +26,12 @@ from encoders.cache import EncoderCache
 from pipelines.adapters import Adapters
 from pipelines.config import LoraSpec
 from pipelines.families.speedups import DenoiserSpeedups
-from pipelines.image_request import ImageRequest, Task
+from pipelines.image_request import ImageRequest, RequestError, Task
 from pipelines.quantize import Quantization, module_bytes
 from pipelines.video import VideoRequest, VideoTask
 from stages.diffusion.denoiser import DenoiserCall, Speedups
+from stages.diffusion.memory import ActivationMemory, Size
+from stages.events import ErrorKind
 from stages.stage import WorkItem
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,9 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
         self._vae_lock = threading.Lock()  # the VAE is shared by prepare (encode), previews and decode
         self.speedups = Speedups()
         self.denoiser = DenoiserCall(name)  # every speed-up off until `accelerate`
+        self.memory_budget: int | None = None  # bytes for weights and one forward's activations (set_memory_budget)
+        self.activations = ActivationMemory()
+        self.weights_bytes = 0
 
     # -- loading ------------------------------------------------------------------------------
     # (type[Any]: mypy sees diffusers' lazy exports as dummies)
@@ -135,6 +141,63 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
         self.loras.budget_bytes, self.loras.dirs = budget_bytes, tuple(dirs)
         for spec in loras:
             self.loras.add(spec)
+
+    # -- memory (stages/diffusion/memory.py) ------------------------------------------------
+    def set_memory_budget(self, budget_bytes: int | None) -> None:
+        self.memory_budget = budget_bytes
+        self.weights_bytes = self.resident_bytes
+        if budget_bytes is not None and self.weights_bytes >= budget_bytes:
+            raise ValueError(f"model {self.name}: its weights take {self.weights_bytes / 2**20:.1f} MiB, more than its "
+                             f"memory_budget_mb ({budget_bytes / 2**20:.1f} MiB)")
+
+    @staticmethod
+    def request_size(request: RequestT) -> Size:
+        return (request.width or 0, request.height or 0, getattr(request, "num_frames", None) or 1)
+
+    def request_rows(self, request: RequestT) -> int:
+        """Rows of the denoiser batch one request takes: its images, twice with classifier-free guidance."""
+        assert request.guidance_scale is not None  # validate() filled it
+        cfg = self.uses_negative(request) or request.guidance_scale > 1.0
+        return getattr(request, "n", 1) * (2 if cfg else 1)
+
+    def memory_needed(self, size: Size, rows: int, *, upper: bool = True) -> int | None:
+        estimate = self.activations.estimate(size, rows, upper=upper)
+        return None if estimate is None else self.weights_bytes + estimate
+
+    def check_memory(self, request: RequestT) -> None:
+        """A request whose forward alone would pass the memory budget: a 413 before any model work."""
+        if self.memory_budget is None:
+            return
+        need = self.memory_needed(self.request_size(request), self.request_rows(request), upper=False)
+        if need is not None and need > self.memory_budget:
+            width, height, frames = self.request_size(request)
+            what = f"{width}x{height}" + (f"x{frames} frames" if frames > 1 else "")
+            raise RequestError("n" if getattr(request, "n", 1) > 1 else "size",
+                               f"a {what} request of {self.request_rows(request)} denoiser rows needs about "
+                               f"{need / 2**20:.1f} MiB (weights and activations), over model {self.name}'s "
+                               f"memory_budget_mb of {self.memory_budget / 2**20:.1f} MiB; ask for fewer or smaller "
+                               "images", code="memory_limit", kind=ErrorKind.TOO_LARGE)
+
+    def fit(self, items: list[WorkItem]) -> int:
+        """The leading items whose rows fit the budget in one forward (at least one)."""
+        if self.memory_budget is None or not items:
+            return len(items)
+        size = self.request_size(items[0].inputs["request"])
+        rows = 0
+        for count, item in enumerate(items):
+            rows += self.request_rows(item.inputs["request"])
+            need = self.memory_needed(size, rows)
+            if need is not None and need > self.memory_budget:
+                return max(1, count)
+        return len(items)
+
+    def measured(self, items: list[WorkItem], rows: int):
+        if self.memory_budget is None:
+            return contextlib.nullcontext()
+        size = self.request_size(items[0].inputs["request"])
+        if self.activations.measured(size, rows):
+            return contextlib.nullcontext()
+        return self.activations.measure(size, rows, self.device)
 
     # -- facts the API layer needs --------------------------------------------------------
     @property

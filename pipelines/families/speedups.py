@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +27,10 @@ class SpeedupHost(Protocol):
     name: str  # the served model's name (metric labels)
     family: str
     loras: AdapterGate  # every denoiser forward holds it (adapters load and unload between forwards)
+
+    def measured(self, items: list[WorkItem], rows: int) -> AbstractContextManager:
+        """Around a denoiser forward: its activation bytes recorded when a memory budget needs them."""
+        ...
 
     @property
     def pipe(self) -> Any:
@@ -106,7 +111,7 @@ class DenoiserSpeedups(SpeedupHost):
             cfg = all(item.inputs["cond"]["cfg"] for item in items)
             out = parallel_forward(self, key, fn, batched, shared or {}, cfg and self.parallel.cfg == 2, sizes, groups)
         uses = [getattr(item.inputs["request"], "lora", ()) for item in items]
-        with self.loras.using([name for use in uses for name, _ in use]):
+        with self.measured(items, sum(sizes)), self.loras.using([name for use in uses for name, _ in use]):
             if out is None and any(uses):  # adapters per row (stages/lora.py): eager, outside any captured graph
                 with rows_use([use for use, size in zip(uses, sizes) for _ in range(size)]):
                     if any(g.state is not None for g in groups):  # step caching: each request's own state

@@ -33,9 +33,10 @@ class VideoFamily(DiffusionFamily[VideoTask, VideoRequest]):
     max_sequence_length: int = 512
 
     def __init__(self, name: str, path: str, *, device: str = "cpu", dtype: str = "float32",
-                 prompt_cache: EncoderCache | None = None, video: VideoConfig | None = None):
+                 prompt_cache: EncoderCache | None = None, video: VideoConfig | None = None,
+                 quantize: dict[str, str] | None = None):
         self.video = video or VideoConfig()
-        super().__init__(name, path, device=device, dtype=dtype, prompt_cache=prompt_cache)
+        super().__init__(name, path, device=device, dtype=dtype, prompt_cache=prompt_cache, quantize=quantize)
         if self.video.vae_tiling:
             self.enable_vae_tiling()
         if self.video.vae_slicing:

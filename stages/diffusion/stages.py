@@ -86,6 +86,10 @@ class DenoiseStage(LoopStage):
                 data["preview"] = self.adapter.preview(item)
             item.emit(EventKind.PROGRESS, **data)
 
+    def fit(self, items: list[WorkItem]) -> int:
+        fit = getattr(self.adapter, "fit", None)  # a family with a memory budget caps the step's rows
+        return len(items) if fit is None else fit(items)
+
     def is_done(self, item: WorkItem) -> bool:
         return item.state["i"] >= item.state["total"]
 
