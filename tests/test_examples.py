@@ -163,3 +163,16 @@ def test_lora_benchmark_prints_the_ratios():
     assert "mixed and grouped made the same tokens" in run.stdout, run.stdout
     assert re.search(r"mixed vs grouped \d+\.\d+x, vs diffusers \d+\.\d+x", run.stdout), run.stdout
     assert "no CUDA device here" in run.stdout or "kernel round 1: both sides agree" in run.stdout, run.stdout
+
+
+def test_memory_benchmark_prints_its_table():
+    """examples/bench_memory.py --tiny: every setting that runs on a CPU, both sides, and the table (CUDA-only
+    settings listed as not run)."""
+    run = subprocess.run([sys.executable, "examples/bench_memory.py", "--tiny"], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for setting in ("float", "int8wo", "gguf-q8", "gguf-q4", "offload"):
+        assert len(re.findall(rf"{setting} +round 1 (mmserve|diffusers) +\d+\.\d+ ms", run.stdout)) == 2, run.stdout
+        assert re.search(rf"^{setting} +\d+\.\d+ +-?\d+\.\d+ +\d+\.\d+ +\d+\.\d+ +(inf|\d+\.\d+)$", run.stdout,
+                         re.M), run.stdout
+    assert re.search(r"^fp8 +not run \(needs a CUDA device\)", run.stdout, re.M), run.stdout
