@@ -64,6 +64,7 @@ class Adapters(AdapterGate):
         self.model = model
         self._load, self._unload = load, unload
         self.budget_bytes, self.dirs = budget_bytes, tuple(dirs)
+        self.max_resident: int | None = None  # adapters resident at once (a language model's LoRA slots)
         self._lock = threading.Lock()  # the bookkeeping below; taken inside the gate, never around it
         self._adapters: dict[str, _Adapter] = {}  # name -> its current load (retired ones until they go)
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
@@ -151,6 +152,7 @@ class Adapters(AdapterGate):
                 if adapter is None or adapter.resident:  # another stage reloaded it meanwhile
                     continue
                 log.info("model %s: reloading LoRA %s (%s), evicted earlier", self.model, name, adapter.spec.path)
+                self._make_room(keep=set(names))
                 self._put(name, adapter)
             self._evict(keep=set(names))
 
@@ -168,6 +170,7 @@ class Adapters(AdapterGate):
             self._adapters[spec.name] = adapter
         try:
             with self.change():
+                self._make_room(keep={spec.name})
                 self._put(spec.name, adapter)
                 if self.budget_bytes is not None and adapter.bytes > self.budget_bytes:
                     self._take_out(spec.name, adapter)
@@ -232,6 +235,22 @@ class Adapters(AdapterGate):
         with self._lock:
             adapter.resident = False
             self._resident.pop(name, None)
+
+    def _make_room(self, keep: set[str]) -> None:
+        """Below max_resident before a load: the least recently used adapter no request holds goes; when every
+        resident one is held, a 429 (retry when requests end)."""
+        if self.max_resident is None:
+            return
+        while True:
+            with self._lock:
+                if len(self._resident) < self.max_resident:
+                    return
+                victim = next((n for n in self._resident if n not in keep and not self._adapters[n].refs), None)
+            if victim is None:
+                raise CapacityError(f"model {self.model}: all {self.max_resident} LoRA slots (max_loras) hold adapters "
+                                    "that running requests use; retry shortly")
+            log.info("model %s: evicting LoRA %s for a free slot", self.model, victim)
+            self._take_out(victim, self._adapters[victim])
 
     def _evict(self, keep: set[str]) -> None:
         """Unload least recently used adapters that no request holds until the resident ones fit the budget."""

@@ -16,6 +16,7 @@ from stages.llm.params import SamplingParams
 from stages.llm.runner import ModelRunner
 from stages.llm.scheduler import SchedulerConfig
 from stages.llm.stage import GenerationRequest, LLMStage
+from stages.lora import LoraSlots
 from stages.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -68,10 +69,17 @@ class LanguageModel:
         self.stage = self._llm_stage(config, metrics)
         self.loras = Adapters(name, self.load_adapter, self.unload_adapter)  # PEFT LoRAs a request may name
         runner.adapters = self.loras  # every forward holds its gate
+        self.slots: LoraSlots | None = None  # load_loras(slots=...): adapters inside the decode graphs
 
-    def load_loras(self, loras: tuple[LoraSpec, ...], *, budget_bytes: int | None = None, dirs=()) -> None:
-        """The model's declared adapters, its budget of resident adapter bytes and its run-time lora_dirs."""
+    def load_loras(self, loras: tuple[LoraSpec, ...], *, budget_bytes: int | None = None, dirs=(),
+                   slots: LoraSlots | None = None) -> None:
+        """The model's declared adapters, its budget of resident adapter bytes and its run-time lora_dirs; with
+        `slots` (max_lora_rank), adapters live in slots the decode graphs read, so LoRA decode steps replay them."""
         self.loras.budget_bytes, self.loras.dirs = budget_bytes, tuple(dirs)
+        if slots is not None:
+            self.slots = slots
+            self.runner.enable_lora_slots(slots)
+            self.loras.max_resident = slots.count
         for spec in loras:
             self.loras.add(spec)
 
@@ -86,6 +94,7 @@ class LanguageModel:
         from stages.lora import adapter_bytes, mix_lora_layers
 
         model = self.runner.model
+        layers = _lora_layers(model)
         try:
             config = LoraConfig.from_pretrained(spec.path)
             if any(m in (config.target_modules or ()) for m in ("lm_head", "embed_tokens")) \
@@ -99,11 +108,18 @@ class LanguageModel:
                                  "unexpected_keys", [])
             if unexpected:
                 raise ValueError(f"keys that are not in this model: {unexpected[:3]}")
+            mix_lora_layers(model)
+            if self.slots is not None:
+                self.slots.check(model, spec.name)
+                graphs = self.runner.decode_graphs
+                if graphs is not None and graphs.sealed and _lora_layers(model) > layers:
+                    raise ValueError("it adapts layers that no adapter declared at start did, so the captured "
+                                     "decode graphs do not have them; declare such an adapter in the config")
+                self.slots.put(model, spec.name)
         except Exception as exc:  # PEFT, safetensors and shape mismatches raise many kinds
             self.unload_adapter(spec.name)  # what a partial load injected
             raise ValueError(f"model {self.name}: lora {spec.name} ({spec.path}) does not load: "
                              f"{type(exc).__name__}: {exc}") from exc
-        mix_lora_layers(model)
         return adapter_bytes(model, spec.name)
 
     def unload_adapter(self, name: str) -> None:
@@ -112,6 +128,8 @@ class LanguageModel:
         from stages.lora import mix_lora_layers
 
         model = self.runner.model
+        if self.slots is not None:
+            self.slots.drop(model, name)
         for module in model.modules():
             if isinstance(module, LoraLayer) and name in module.lora_A:
                 module.delete_adapter(name)
@@ -237,3 +255,9 @@ def _checked_message(message: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise RequestError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
     return {"role": role, "content": content}
+
+
+def _lora_layers(model) -> int:
+    from peft.tuners.lora import LoraLayer
+
+    return sum(isinstance(m, LoraLayer) for m in model.modules())

@@ -104,6 +104,10 @@ class ModelSpec:
     loras: tuple[LoraSpec, ...] = ()  # LoRA adapters a request may name (`lora` field; "base:adapter" for chat)
     lora_dirs: tuple[Path, ...] = ()  # where `POST /v1/loras` may load adapters from at run time (none: it may not)
     lora_budget_mb: float | None = None  # bytes of adapter weights resident in the model (an LRU); None: no limit
+    # language models with graphs: the adapter-rank bucket (vLLM's --max-lora-rank). Adapters then live in
+    # max_loras slots of static buffers, and decode steps with adapters replay the captured graphs.
+    max_lora_rank: int | None = None
+    max_loras: int = 8
     # diffusion only: component (model_index.json name) -> "int8wo" | "fp8" | "int4wo" | "nf4" | "gguf:FILE"
     # (pipelines/quantize.py)
     quantize: dict[str, str] = field(default_factory=dict)
@@ -140,6 +144,10 @@ class ModelSpec:
         if self.quantize:
             Quantization(dict(self.quantize)).check(self.name, self.device)
         check_offload(self.name, self.offload)
+        for key in ("max_lora_rank", "max_loras"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"model {self.name}: {key} must be an integer >= 1, got {value!r}")
         if self.memory_budget_mb is not None and not (isinstance(self.memory_budget_mb, (int, float))
                                                       and self.memory_budget_mb > 0):
             raise ValueError(f"model {self.name}: memory_budget_mb must be a number > 0, got "

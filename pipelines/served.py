@@ -24,7 +24,7 @@ from pipelines.config import CPU_VIDEO_POOLS, MediaConfig, ModelSpec
 from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
 from pipelines.families.base import ImageFamily
 from pipelines.families.video_base import VideoFamily
-from pipelines.image_request import ImageLimits, ImageRequest, ModelNotFound, RequestError, Task
+from pipelines.image_request import MAX_LORAS, ImageLimits, ImageRequest, ModelNotFound, RequestError, Task
 from pipelines.offload import apply_offload
 from pipelines.omni import TalkerStage, Token2WavStage, VocoderStage, not_speaking
 from pipelines.quantize import quantized_methods
@@ -36,6 +36,7 @@ from stages.cuda_graphs import GraphConfig
 from stages.diffusion.stages import DenoiseStage, TextEncodeStage, VaeDecodeStage
 from stages.graph import Node, StageGraph
 from stages.llm.params import SamplingParams
+from stages.lora import LoraSlots
 from stages.media.stage import MediaDecodeStage, MediaEncodeStage, decode_images
 from stages.metrics import Metrics
 from stages.pool import PoolConfig
@@ -146,6 +147,8 @@ class ServedDiffusion:
 
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         family = load_family(spec, family_name, ctx.prompt_cache)
+        if spec.max_lora_rank is not None:
+            raise ValueError(f"model {spec.name}: max_lora_rank is for language models (their decode graphs)")
         if (spec.loras or spec.lora_dirs) and isinstance(family, VideoFamily):
             raise ValueError(f"model {spec.name}: loras are for image and language models (video requests name no "
                              "adapter yet)")
@@ -302,7 +305,10 @@ class ServedChat:
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         self.name = spec.name
         self.model: LanguageModel = self._load(spec, ctx)
-        self.model.load_loras(spec.loras, **lora_limits(spec))
+        slots = None
+        if spec.max_lora_rank is not None:
+            slots = LoraSlots(spec.max_loras, spec.max_lora_rank, per_row=MAX_LORAS)
+        self.model.load_loras(spec.loras, **lora_limits(spec), slots=slots)
         self.info = ModelInfo(spec.name, family_name, spec.path, self.tasks, random_weights=random_weights,
                               adapters=self.model.loras.names())
         self.ctx = ctx

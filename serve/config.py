@@ -304,7 +304,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
         raise ValueError(f"{where}: expected a table with name and path")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
                   "video", "random_weights", "parallel", "loras", "lora_dirs", "lora_budget_mb", "quantize", "offload",
-                  "memory_budget_mb")
+                  "memory_budget_mb", "max_lora_rank", "max_loras")
           + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:

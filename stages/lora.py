@@ -31,10 +31,19 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any, cast
 
 import torch
 
 Use = tuple[tuple[str, float], ...]  # one row's adapters and their weights, in the order they are applied
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """A captured step's adapters as tensors: each row's slots (0: none) and weights, [rows, per_row] each."""
+
+    slots: torch.Tensor
+    weights: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class RowAdapters:
 
 _ROWS: ContextVar[RowAdapters | None] = ContextVar("mmserve_lora_rows", default=None)
 _KERNEL: ContextVar[bool | None] = ContextVar("mmserve_lora_kernel", default=None)  # None: on CUDA tensors
+_SLOTS: ContextVar[SlotPlan | None] = ContextVar("mmserve_lora_slots", default=None)
 RANK_BUCKET = 16  # stacked adapters' ranks are padded up to a multiple of it (stages/kernels/lora.py)
 _MIXED: weakref.WeakSet = weakref.WeakSet()  # the layers whose forward hook adds the rows' updates
 
@@ -112,6 +122,9 @@ def scale_of(module, name: str, weight: float) -> float:
 
 
 def _add_row_updates(module, args, output: torch.Tensor) -> torch.Tensor:
+    slotted = _SLOTS.get()
+    if slotted is not None:
+        return _slot_row_updates(module, slotted, args[0], output) if hasattr(module, "_mmserve_slot_a") else output
     plan = _ROWS.get()
     if plan is None:
         return output
@@ -281,3 +294,105 @@ def _kernel_row_updates(module, plan: RowAdapters, x: torch.Tensor, output: torc
                        torch.tensor(scales, dtype=torch.float32, device=device).repeat_interleave(repeat),
                        use_triton=True)
     return result.reshape(output.shape)
+
+
+# -- adapters in slots: LoRA inside captured graphs ----------------------------------------------------------------
+
+
+@contextmanager
+def slots_use(slots: torch.Tensor, weights: torch.Tensor) -> Iterator[None]:
+    """Within the block, mixed layers with slot buffers add for each row (token) the adapters in its `slots` at its
+    `weights` ([rows, per_row] each), with tensor ops only: a CUDA graph captured here stays valid for any mix."""
+    token = _SLOTS.set(SlotPlan(slots, weights))
+    try:
+        yield
+    finally:
+        _SLOTS.reset(token)
+
+
+class LoraSlots:
+    """A model's resident adapters in numbered slots of static per-layer buffers: A [count + 1, rank, IN],
+    B [count + 1, OUT, rank] and each slot's alpha / r per layer (slot 0 stays zero: no adapter). Ranks are
+    zero-padded to `rank`, the declared bucket; a load copies an adapter in and an unload zeroes its slot, so the
+    buffers never move and graphs that read them stay valid."""
+
+    def __init__(self, count: int, rank: int, per_row: int):
+        if count < 1 or rank < 1 or per_row < 1:
+            raise ValueError(f"LoRA slots need count, rank and per_row >= 1, got {count}, {rank}, {per_row}")
+        self.count, self.rank, self.per_row = count, rank, per_row
+        self._of: dict[str, int] = {}
+
+    def plan(self, uses: Sequence[Use], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, per_row] slots and weights of each row's adapters (padding: slot 0, weight 0)."""
+        slots = torch.zeros(len(uses), self.per_row, dtype=torch.long)
+        weights = torch.zeros(len(uses), self.per_row, dtype=torch.float32)
+        for row, use in enumerate(uses):
+            for k, (name, weight) in enumerate(use):
+                slots[row, k], weights[row, k] = self._of[name], weight
+        return slots.to(device), weights.to(device)
+
+    def put(self, model: torch.nn.Module, name: str) -> None:
+        """Copy adapter `name` (loaded by PEFT, ranks <= the bucket) into a free slot of every mixed layer."""
+        from peft.tuners.lora import Linear as LoraLinear
+
+        free = sorted(set(range(1, self.count + 1)) - set(self._of.values()))
+        if not free:
+            raise RuntimeError(f"all {self.count} LoRA slots are taken")
+        slot = free[0]
+        for module in model.modules():
+            if not isinstance(module, LoraLinear):
+                continue
+            module = cast(Any, module)  # PEFT's ModuleDicts are untyped
+            self._buffers(module)
+            self._clear(module, slot)
+            if name in module.lora_A:
+                a, b = module.lora_A[name].weight, module.lora_B[name].weight
+                module._mmserve_slot_a[slot, :a.shape[0]] = a
+                module._mmserve_slot_b[slot, :, :b.shape[1]] = b
+                module._mmserve_slot_scale[slot] = scale_of(module, name, 1.0)
+        self._of[name] = slot
+
+    def drop(self, model: torch.nn.Module, name: str) -> None:
+        slot = self._of.pop(name, None)
+        if slot is None:
+            return
+        for module in model.modules():
+            if hasattr(module, "_mmserve_slot_a"):
+                self._clear(module, slot)
+
+    def check(self, model: torch.nn.Module, name: str) -> None:
+        """An adapter whose rank passes the bucket cannot go in a slot: refused, naming both."""
+        from peft.tuners.lora import Linear as LoraLinear
+
+        ranks = {module.r[name] for module in model.modules() if isinstance(module, LoraLinear) and name in module.r}
+        if ranks and max(ranks) > self.rank:
+            raise ValueError(f"its rank {max(ranks)} is above the declared rank bucket {self.rank} (max_lora_rank)")
+
+    def _buffers(self, module) -> None:
+        if hasattr(module, "_mmserve_slot_a"):
+            return
+        base = module.get_base_layer().weight
+        shape_in, shape_out = base.shape[1], base.shape[0]
+        dtype = next(iter(module.lora_A.values())).weight.dtype
+        module._mmserve_slot_a = base.new_zeros((self.count + 1, self.rank, shape_in), dtype=dtype)
+        module._mmserve_slot_b = base.new_zeros((self.count + 1, shape_out, self.rank), dtype=dtype)
+        module._mmserve_slot_scale = base.new_zeros(self.count + 1, dtype=torch.float32)
+
+    @staticmethod
+    def _clear(module, slot: int) -> None:
+        module._mmserve_slot_a[slot].zero_()
+        module._mmserve_slot_b[slot].zero_()
+        module._mmserve_slot_scale[slot] = 0.0
+
+
+def _slot_row_updates(module, plan: SlotPlan, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """Every row's slotted adapters in one call, from tensors only (no host value decides anything)."""
+    from stages.kernels.lora import lora_rows
+
+    flat_x, flat_out = x.reshape(-1, x.shape[-1]), output.reshape(-1, output.shape[-1])
+    per_row = plan.slots.shape[1]
+    rows = torch.arange(flat_x.shape[0], device=x.device).repeat_interleave(per_row)
+    slots = plan.slots.reshape(-1)
+    scales = plan.weights.reshape(-1) * module._mmserve_slot_scale[slots]
+    return lora_rows(flat_x, flat_out, module._mmserve_slot_a, module._mmserve_slot_b, rows, slots, scales,
+                     use_triton=use_kernel(x)).reshape(output.shape)

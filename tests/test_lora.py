@@ -433,3 +433,83 @@ def test_adapters_with_step_caching_equal_their_solo_runs(tmp_path_factory):
     for got, want in zip(together, alone):
         np.testing.assert_allclose(got, want, atol=ATOL)
     assert np.abs(together[0] - together[1]).max() > 1e-3 and np.abs(together[0] - together[2]).max() > 1e-3
+
+
+def test_language_model_adapters_replay_the_captured_decode_graphs(llama, adapters, tmp_path):
+    """max_lora_rank (the rank bucket): adapters live in slots the decode graphs read, so decode steps of requests
+    with x, y, both and none replay captured buckets (none runs eagerly: one graph serves every mix) and each equals
+    peft's generate(). A run-time adapter of the same layers takes a free slot (evicting the least recently used
+    one when the slots are full) and the replays use it; one of a higher rank than the bucket, or adapting layers
+    the captured graphs lack, is refused."""
+    import shutil
+
+    from pipelines.chat import ChatRequest
+    from stages.cuda_graphs import GraphConfig
+    from stages.llm.params import SamplingParams
+
+    shutil.copytree(adapters["x"], tmp_path / "x2")
+    build_llm_lora(llama, tmp_path / "wide", 3, r=16, lora_alpha=16, target_modules=["q_proj"])
+    build_llm_lora(llama, tmp_path / "mlp", 4, r=2, lora_alpha=2, target_modules=["gate_proj"])
+    specs = (LoraSpec("x", adapters["x"]), LoraSpec("y", adapters["y"]))
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    uses = [("x",), ("y",), (), ("x", "y"), ("x",)]
+    prompts = [[1, 9 + i, 21, 33 + i] for i in range(len(uses))]
+    with running_engine(llama, name="lm", family="causal-lm", loras=specs, max_lora_rank=8, max_loras=2,
+                        lora_dirs=(tmp_path,), graphs=GraphConfig(batch_sizes=(1, 2, 4, 8), padding="always")) as eng:
+        graphs = eng.chat_model("lm").runner.decode_graphs
+        replays = graphs.observer.replays
+        handles = [eng.submit("lm", ChatRequest(prompt=p, params=greedy, lora=tuple((u, 1.0) for u in use)))
+                   for p, use in zip(prompts, uses)]
+        got = [h.result(timeout=120)["choices"][0]["token_ids"] for h in handles]
+        assert graphs.observer.replays > replays and "shape" not in graphs.observer.eager_calls
+        eng.load_lora("lm", LoraSpec("x2", "x2"))  # the slots are full: y, the least recently used, goes
+        assert {e["name"]: e["resident"] for e in eng.loras_of("lm").describe()} == {"x": True, "y": False,
+                                                                                    "x2": True}
+        again = eng.submit("lm", ChatRequest(prompt=prompts[0], params=greedy, lora=(("x2", 1.0),))).result(60)
+        for name, needle in (("wide", "rank 16 is above the declared rank bucket 8"),
+                             ("mlp", "adapts layers that no adapter declared at start did")):
+            with pytest.raises(RequestError, match=needle):
+                eng.load_lora("lm", LoraSpec(name, name))
+    assert again["choices"][0]["token_ids"] == got[0]  # x2 is a copy of x
+    for p, use, tokens in zip(prompts, uses, got):
+        if len(use) == 1:
+            assert tokens == peft_greedy(llama, adapters[use[0]], p, 5), use
+        elif not use:
+            assert tokens == peft_greedy(llama, None, p, 5)
+    # x and y at once: peft with both adapters active (add_weighted_adapter would merge them; compare the mix
+    # through the engine without graphs instead)
+    with running_engine(llama, name="lm", family="causal-lm", loras=specs) as eng:
+        eager = eng.submit("lm", ChatRequest(prompt=prompts[3], params=greedy, lora=(("x", 1.0), ("y", 1.0))))
+        assert eager.result(timeout=60)["choices"][0]["token_ids"] == got[3]
+
+
+def test_slotted_adapters_equal_the_per_row_plan():
+    """Adapters copied into slots (ranks 4 and 3 padded to the bucket of 8) and read through a tensor plan give
+    what the per-row plan gives, on the torch reference and on the Triton kernel (interpreter)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from stages.lora import LoraSlots, kernel_use, slots_use
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 16))
+    for name, rank, targets in (("p", 4, ["0", "2"]), ("q", 3, ["2"])):
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+        inject_adapter_in_model(config, model, adapter_name=name)
+    mix_lora_layers(model)
+    slots = LoraSlots(count=3, rank=8, per_row=2)
+    slots.put(model, "p")
+    slots.put(model, "q")
+    uses = [(("p", 0.5),), (("q", 1.5), ("p", -1.0)), (), (("q", 1.0),)]
+    x = torch.randn(1, len(uses), 16)  # a packed decode step: one token a row
+    with torch.no_grad():
+        with rows_use(uses):
+            want = model(x)
+        plan = slots.plan(uses, x.device)
+        for kernel in (False, True):
+            with slots_use(*plan), kernel_use(kernel):
+                torch.testing.assert_close(model(x), want, rtol=0, atol=1e-5)
+        slots.drop(model, "q")  # its slot zeroed: rows naming q now get only their other adapters
+        with slots_use(*plan):
+            dropped = model(x)
+        with rows_use([(("p", 0.5),), (("p", -1.0),), (), ()]):
+            torch.testing.assert_close(dropped, model(x), rtol=0, atol=1e-5)

@@ -131,7 +131,7 @@ def test_the_config_file_and_v1_models(paths, tmp_path):
     assert model["resident_bytes"] > 0
 
 
-@pytest.mark.parametrize("family, offload", [("sd", {"unet": "block", "text_encoder": "leaf"}),
+@pytest.mark.parametrize("family, offload", [("sd", {"unet": "block", "text_encoder": "model", "vae": "leaf"}),
                                              ("flux", {"transformer": "block", "text_encoder_2": "leaf"})])
 def test_group_offload_equals_the_resident_model(paths, family, offload):
     """[models.offload]: diffusers' group offloading hooks on the components (weights kept on the CPU, moved to the
@@ -140,8 +140,11 @@ def test_group_offload_equals_the_resident_model(paths, family, offload):
     offloaded, _, loaded = images(paths[family], family, offload=offload)
     for a, b in zip(plain, offloaded):
         np.testing.assert_array_equal(a, b)
-    for component in offload:
+    for component, kind in offload.items():
         module = getattr(loaded.pipe, component)
+        if kind == "model":  # on the CPU between forwards, every forward out
+            assert module._mmserve_offload.running == 0 and module.device.type == "cpu"
+            continue
         assert any(getattr(m, "_diffusers_hook", None) is not None
                    and m._diffusers_hook.get_hook("group_offloading") is not None for m in module.modules())
 
@@ -149,7 +152,7 @@ def test_group_offload_equals_the_resident_model(paths, family, offload):
 def test_offload_refusals(paths):
     from pipelines.config import LoraSpec, ModelSpec
 
-    with pytest.raises(ValueError, match=r"offload.unet = 'disk': expected one of \['block', 'leaf'\]"):
+    with pytest.raises(ValueError, match=r"offload.unet = 'disk': expected one of \['block', 'leaf', 'model'\]"):
         ModelSpec("m", paths["sd"], offload={"unet": "disk"})
     with pytest.raises(ValueError, match="offload with loras"):
         ModelSpec("m", paths["sd"], offload={"unet": "block"}, loras=(LoraSpec("a", "x"),))

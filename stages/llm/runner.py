@@ -6,6 +6,7 @@ M-RoPE: the runner then embeds the prompt itself and splices the media features 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from stages.cuda_graphs import GraphConfig, GraphRunner
 from stages.llm import attention
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
-from stages.lora import AdapterGate, rows_use
+from stages.lora import AdapterGate, LoraSlots, rows_use, slots_use
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -53,6 +54,7 @@ class ModelRunner:
         self.decoder = decoder if decoder is not None else getattr(model, model.base_model_prefix)
         self.mrope = mrope
         self.adapters = AdapterGate()  # a served model's Adapters registry replaces it (pipelines/adapters.py)
+        self.lora_slots: LoraSlots | None = None  # enable_lora_slots: adapters inside the decode graphs
         config = self.model.config.get_text_config()
         self.config = config
         heads = config.num_attention_heads
@@ -91,7 +93,9 @@ class ModelRunner:
                 cache[dst].copy_(cache[src])
         chunks = plan.chunks
         if self.decode_graphs is not None and all(len(c.token_ids) == 1 and c.sample and not c.seq.media
-                                                  and c.seq.hidden is None and not c.seq.lora for c in chunks):
+                                                  and c.seq.hidden is None
+                                                  and (not c.seq.lora or self.lora_slots is not None)
+                                                  for c in chunks):
             return self.decode_graphs(self._decode_inputs(chunks))
         dev = self.device
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=dev)
@@ -147,21 +151,34 @@ class ModelRunner:
         tables = torch.zeros(len(chunks), self.table_width, dtype=torch.long)
         for i, c in enumerate(chunks):
             tables[i, :len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.long)
-        return {"input_ids": torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long, device=dev),
-                "positions": torch.tensor([c.start for c in chunks], dtype=torch.long, device=dev),
-                "slot_mapping": torch.tensor([c.slots[0] for c in chunks], dtype=torch.long, device=dev),
-                "context_lens": torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=dev),
-                "block_tables": tables.to(dev)}
+        inputs = {"input_ids": torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long, device=dev),
+                  "positions": torch.tensor([c.start for c in chunks], dtype=torch.long, device=dev),
+                  "slot_mapping": torch.tensor([c.slots[0] for c in chunks], dtype=torch.long, device=dev),
+                  "context_lens": torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=dev),
+                  "block_tables": tables.to(dev)}
+        if self.lora_slots is not None:  # every row's adapter slots, LoRA or not: one graph for every mix
+            inputs["lora_slots"], inputs["lora_weights"] = self.lora_slots.plan([c.seq.lora for c in chunks], dev)
+        return inputs
 
-    def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
+    def enable_lora_slots(self, slots: LoraSlots) -> None:
+        """Decode steps with adapters replay the captured graphs too: adapters live in `slots` (stages/lora.py),
+        and every decode graph takes each row's slots and weights as inputs."""
+        self.lora_slots = slots
+        if self.decode_graphs is not None:
+            self.decode_graphs.pad_values = {**self.decode_graphs.pad_values, "lora_slots": 0, "lora_weights": 0.0}
+
+    def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables, lora_slots=None,
+                        lora_weights=None) -> torch.Tensor:
         """A pure-decode step over static inputs (what a graph captures): float32 logits [rows, V]."""
         rows = input_ids.shape[0]
         meta = attention.PagedMetadata(
             k_caches=self.k_caches, v_caches=self.v_caches, slot_mapping=slot_mapping,
             query_start_loc=torch.arange(rows + 1, dtype=torch.long, device=input_ids.device),
             context_lens=context_lens, block_tables=block_tables, all_decode=True, slots_valid=True)
-        hidden = self.decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                              paged=meta).last_hidden_state[0]  # [rows, H]
+        slotted = contextlib.nullcontext() if lora_slots is None else slots_use(lora_slots, lora_weights)
+        with slotted:
+            hidden = self.decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                  paged=meta).last_hidden_state[0]  # [rows, H]
         logits = self.model.get_output_embeddings()(hidden).float()
         cap = getattr(self.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
@@ -173,8 +190,10 @@ class ModelRunner:
             return
         pads = self.decode_graphs.pad_values
         row = {name: torch.full((1,), value, dtype=torch.long, device=self.device) for name, value in pads.items()
-               if name != "block_tables"}
+               if name not in ("block_tables", "lora_slots", "lora_weights")}
         row["block_tables"] = torch.zeros(1, self.table_width, dtype=torch.long, device=self.device)
+        if self.lora_slots is not None:
+            row["lora_slots"], row["lora_weights"] = self.lora_slots.plan([()], self.device)
         self.decode_graphs(row)
         self.decode_graphs.seal()
 
