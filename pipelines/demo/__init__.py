@@ -12,6 +12,7 @@ Default image size (what a pipeline makes when no height/width is given):
     sdxl    tiny   8                 64 x 64       4 x 8 x 8
     sd3     tiny   8                 64 x 64       16 x 8 x 8
     flux    tiny   4                 512 x 512     16 x 128 x 128
+    flux_kontext  (flux's components, saved as a FluxKontextPipeline)
 
 sd / sdxl / sd3 take their default from the denoiser's `sample_size` (8 latent px). Flux's is
 hard-coded in diffusers as 128 latent px * vae scale factor, so its VAE has three blocks: 512 px
@@ -45,7 +46,7 @@ from pipelines.demo.whisper import ConvertedWhisper, build_whisper_model, tiny_e
 
 FAMILIES = ("sd", "sdxl", "sd3", "flux")  # diffusion pipelines
 CHAT_FAMILIES = ("llama", "qwen2")  # causal LMs (chat); "qwen2" is built on request, not by default
-SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",),
+SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",), "flux_kontext": ("tiny",),
           "llama": ("tiny", "small"), "qwen2": ("tiny",), "clip": ("tiny",), "llava": ("tiny",),
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
           "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",),
@@ -297,7 +298,15 @@ def _build_flux(seed: int, scale: str):
     )
 
 
+def _build_flux_kontext(seed: int, scale: str):
+    """FLUX.1 Kontext: the same tiny components as flux, saved as a FluxKontextPipeline (in-context edits)."""
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**_build_flux(seed, scale).components)
+
+
 _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _build_flux,
+             "flux_kontext": _build_flux_kontext,
              "llama": lambda seed, scale: build_chat_model("llama", seed, scale),
              "qwen2": lambda seed, scale: build_chat_model("qwen2", seed, scale),
              "clip": lambda seed, scale: build_clip_model(seed, scale, _clip_tokenizer()),

@@ -150,8 +150,8 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
             raise ValueError(f"model {self.name}: its weights take {self.weights_bytes / 2**20:.1f} MiB, more than its "
                              f"memory_budget_mb ({budget_bytes / 2**20:.1f} MiB)")
 
-    @staticmethod
-    def request_size(request: RequestT) -> Size:
+    def request_size(self, request: RequestT) -> Size:
+        """(width, height, frames) of a request, as memory estimates key activations."""
         return (request.width or 0, request.height or 0, getattr(request, "num_frames", None) or 1)
 
     def request_rows(self, request: RequestT) -> int:
