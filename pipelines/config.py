@@ -223,6 +223,8 @@ DEFAULT_POOLS = {
     "talker": PoolConfig(max_batch_size=8, max_delay_ms=0.0, max_queue=256),
     "token2wav": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256),
     "vocoder": PoolConfig(max_batch_size=1, max_queue=256),
+    # A diffusers pipeline run through its own __call__ (pipelines/fallback.py): one request per call, no step batching.
+    "pipeline": PoolConfig(max_batch_size=1, max_delay_ms=0.0, max_queue=64),
 }
 # On a CPU a VAE decode is compute-bound and its activations outgrow the caches as the batch grows: past two images
 # a call decodes slower per image (measured with examples/bench_images.py's checkpoint: 4 images at 256x256 cost 8 %

@@ -35,6 +35,7 @@ from pipelines.served import (
     ServedChat,
     ServedDiffusion,
     ServedEmbedding,
+    ServedImages,
     ServedModel,
     ServedSpeech,
     ServedTranscription,
@@ -131,7 +132,7 @@ class Engine:
 
     def _load(self, spec: ModelSpec) -> None:
         family = spec.family or detect_family(spec.path)
-        if spec.quantize and not issubclass(served_class(family), ServedDiffusion):
+        if spec.quantize and not issubclass(served_class(family), ServedImages):  # (the diffusers fallback refuses it)
             raise ValueError(f"model {spec.name}: quantize is for the components of diffusion models ({family} is "
                              "not one)")
         # On the ray backend each replica is an actor with its own copy on its device; this process's copy, on the
@@ -329,17 +330,14 @@ class Engine:
     def check_image(self, model: str, request: ImageRequest) -> None:
         """The checks of an image request that need no input image (an edit's, before its upload is fetched or
         decoded); RequestErrors name the field. submit_image runs them again with the rest."""
-        self.family(model)
-        served = self._served[model]
-        assert isinstance(served, ServedDiffusion)
-        served.check_fields(request)
+        self._served_as(model, ServedImages).check_fields(request)
 
     def submit_image(self, model: str, request: ImageRequest, *, request_id: str | None = None) -> RequestHandle:
         """Validate (cheap checks, before any model work), then run the image graph.
 
-        Final outputs: {"images": [PIL.Image], "pixels": float [n, H, W, 3], "seed": int}.
+        Final outputs: {"images": [PIL.Image], "pixels": float [n, H, W, 3], "seed": int}; a model served through its
+        diffusers pipeline (pipelines/fallback.py) answers the same.
         """
-        self.family(model)
         return self.submit(model, request, request_id=request_id)
 
     def submit_video(self, model: str, request: VideoRequest, *, request_id: str | None = None) -> RequestHandle:

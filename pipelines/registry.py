@@ -12,9 +12,11 @@ FAMILIES = {
     "sdxl": "pipelines.families.sdxl:StableDiffusionXLFamily",
     "sd3": "pipelines.families.sd3:StableDiffusion3Family",
     "flux": "pipelines.families.flux:FluxFamily",
+    "flux_kontext": "pipelines.families.flux_kontext:FluxKontextFamily",
     "wan": "pipelines.families.wan:WanFamily",  # video (pipelines/video.py)
     "ltx": "pipelines.families.ltx:LTXFamily",
 }
+DIFFUSERS_FALLBACK = "diffusers"  # the family of a diffusers pipeline class with no native family
 # family name -> "module:Class" of its served model (pipelines/served.py): how the engine loads and runs it.
 SERVED = {
     **{family: "pipelines.served:ServedDiffusion" for family in FAMILIES},
@@ -25,6 +27,8 @@ SERVED = {
     "vits": "pipelines.served:ServedSpeech",
     "speecht5": "pipelines.served:ServedSpeech",
     "whisper": "pipelines.served:ServedTranscription",
+    # any other diffusers pipeline class, run through its own __call__ (pipelines/fallback.py)
+    DIFFUSERS_FALLBACK: "pipelines.fallback:ServedPipeline",
 }
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(SERVED)
 # config.json `architectures` served as vision-language chat models (pipelines/vlm.py, encoders/ADAPTERS).
@@ -50,8 +54,20 @@ CLASS_NAMES = {
     "StableDiffusion3Pipeline": "sd3", "StableDiffusion3Img2ImgPipeline": "sd3",
     "StableDiffusion3InpaintPipeline": "sd3",
     "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
+    "FluxKontextPipeline": "flux_kontext",
     "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
 }
+
+
+def diffusers_pipeline_class(name: str) -> type | None:
+    """The diffusers pipeline class called `name` (a DiffusionPipeline subclass diffusers itself defines), else None.
+    Imports diffusers and that pipeline's module, nothing of the checkpoint."""
+    import diffusers
+
+    cls = getattr(diffusers, name, None) if name.isidentifier() else None
+    # (a pipeline whose optional dependency is missing is a dummy object, not a DiffusionPipeline subclass)
+    base = diffusers.DiffusionPipeline
+    return cls if isinstance(cls, type) and issubclass(cls, base) and cls is not base else None
 
 
 def family_class(family: str):
@@ -114,10 +130,16 @@ def detect_family(path: str) -> str:
                          f"Supported families: {supported}")
     if index is not None:
         name = index.get("_class_name", "")
+        if not isinstance(name, str):  # [module, class]: a pipeline whose code ships with the checkpoint
+            raise ValueError(f"{path}: model_index.json names custom pipeline code {name!r}; mmserve never runs code "
+                             "from a checkpoint or the hub (custom_pipeline, trust_remote_code)")
         if name in CLASS_NAMES:
             return CLASS_NAMES[name]
-        raise ValueError(f"{path}: model_index.json names {name!r}, which mmserve does not serve. "
-                         f"Supported: {supported}")
+        if diffusers_pipeline_class(name) is not None:
+            return DIFFUSERS_FALLBACK  # its components' code is checked when it loads (pipelines/fallback.py)
+        raise ValueError(f"{path}: model_index.json names {name!r}, which is not a diffusers pipeline class mmserve "
+                         f"can serve. Supported: {supported}; or any other diffusers pipeline class (family "
+                         f"{DIFFUSERS_FALLBACK!r}: run through its own __call__)")
     arch = (config or {}).get("architectures") or []
     if any(a in VLM_ARCHITECTURES for a in arch):
         return "vlm"

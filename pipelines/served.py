@@ -66,6 +66,9 @@ class ModelInfo:
     video_defaults: dict | None = None  # video models: {"width", "height", "num_frames", "fps", "frame_factor"}
     random_weights: bool = False  # a demo/test checkpoint: real code path, noise out; never a default when a
     #                               real-weight model does the task (model_default.py)
+    # "stage-graph": mmserve's own stages run it; "pipeline": a diffusers pipeline's own __call__ runs it, one request
+    # at a time (pipelines/fallback.py)
+    execution: str = "stage-graph"
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,20 @@ def lora_limits(spec: ModelSpec) -> dict[str, Any]:
     return {"budget_bytes": budget, "dirs": spec.lora_dirs}
 
 
-class ServedDiffusion:
+class ServedImages:
+    """A model that makes images from an ImageRequest: a native family's stage graph (ServedDiffusion) or a diffusers
+    pipeline run through its own __call__ (pipelines/fallback.py's ServedPipeline)."""
+
+    does, kinds = "generate images", "image models"
+    name: str
+    info: ModelInfo
+
+    def check_fields(self, request: ImageRequest) -> None:
+        """The request's own fields, before an input image is fetched or decoded; RequestErrors name the field."""
+        raise NotImplementedError
+
+
+class ServedDiffusion(ServedImages):
     """An image or video diffusion family: text_encode -> denoise (the loop) -> vae_decode, then media_encode
     when the request asks for encoded files (the server's do; the Python API's keep pixels)."""
 
@@ -503,7 +519,7 @@ class ServedTranscription:
 
 
 # The request type each kind of served model runs (Engine.submit checks the pair).
-REQUESTS: dict[type, type] = {ImageRequest: ServedDiffusion, VideoRequest: ServedDiffusion, ChatRequest: ServedChat,
+REQUESTS: dict[type, type] = {ImageRequest: ServedImages, VideoRequest: ServedDiffusion, ChatRequest: ServedChat,
                               EmbeddingRequest: ServedEmbedding, SpeechRequest: ServedSpeech,
                               TranscriptionRequest: ServedTranscription}
 

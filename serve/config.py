@@ -148,7 +148,7 @@ DEMO_ASR = AsrConfig(max_new_tokens=32)  # random weights never end a window: ca
 DEMO_LLM = LLMConfig(kv_cache_mb=32)  # the tiny demo LM: 64k tokens of KV (512 bytes a token) is plenty
 SPEEDUP_KEYS = ("graphs", "compile", "step_cache", "fused_kernels")  # ModelSpec's speed-up fields
 POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm", "embed", "vision_encode", "audio_encode", "talker",
-              "token2wav", "vocoder", "tts", "asr")
+              "token2wav", "vocoder", "tts", "asr", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -302,6 +302,11 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
     where = f"[[models]] #{index + 1}"
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table with name and path")
+    remote_code = sorted(set(table) & {"custom_pipeline", "trust_remote_code"})
+    if remote_code:
+        raise ValueError(f"{where}: {remote_code[0]}: mmserve never runs code from a checkpoint or the hub; it serves "
+                         "diffusers' and transformers' own classes (a diffusers pipeline with no native family: "
+                         "family 'diffusers')")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
                   "video", "random_weights", "parallel", "loras", "lora_dirs", "lora_budget_mb", "quantize", "offload",
                   "memory_budget_mb", "max_lora_rank", "max_loras")

@@ -51,10 +51,10 @@ def resolve_model(engine, name: str | None, task: str, *, does: str, kind: str, 
 
 def model_object(info, created: int) -> dict[str, Any]:
     """One entry of /v1/models, and GET /v1/models/{id}: OpenAI's model object plus family, tasks,
-    random_weights, (text-to-speech and voice models) voices, (models serving LoRAs) adapters and (diffusion models)
-    quantization and resident_bytes."""
+    random_weights, execution ("stage-graph", or "pipeline": a diffusers pipeline's own __call__), (text-to-speech and
+    voice models) voices, (models serving LoRAs) adapters and (diffusion models) quantization and resident_bytes."""
     return {"id": info.id, "object": "model", "created": created, "owned_by": "mmserve", "family": info.family,
-            "tasks": list(info.tasks), "random_weights": info.random_weights,
+            "tasks": list(info.tasks), "random_weights": info.random_weights, "execution": info.execution,
             **({"voices": list(info.voices)} if info.voices else {}),
             **({"adapters": list(info.adapters)} if info.adapters else {}),
             **({"quantization": dict(info.quantization)} if info.quantization else {}),

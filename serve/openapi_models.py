@@ -56,6 +56,9 @@ class Model(BaseModel):
     tasks: list[str]  # extension: text-to-image, chat, embeddings, speech-to-text, ...
     # extension: a demo/test checkpoint (noise out); a default only when nothing else does the task
     random_weights: bool
+    # extension: "stage-graph" (mmserve's stages) or "pipeline" (a diffusers pipeline's own __call__, one request at a
+    # time: no step batching, caches or graphs)
+    execution: Literal["stage-graph", "pipeline"]
     voices: list[str] | None = None  # extension: text-to-speech models only
     adapters: list[str] | None = None  # extension: the LoRA adapters a request may name
     parent: str | None = None  # extension: a "base:adapter" id's base model
