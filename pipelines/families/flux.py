@@ -102,6 +102,13 @@ class FluxFamily(ImageFamily):
         return {"embeds": embeds, "pooled": pooled, "text_ids": text_ids, "cfg": negative is not None}
 
     # -- 2. prepare ---------------------------------------------------------------------------
+    @staticmethod
+    def shift(scheduler, seq_len: int) -> float:
+        """The pipelines' mu: the flow-matching shift for `seq_len` image tokens, from the scheduler's config."""
+        config = scheduler.config
+        return calculate_shift(seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                               config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+
     @torch.inference_mode()
     def prepare(self, item: WorkItem) -> None:
         req, cond, scheduler, view, generator = self.begin(item)
@@ -122,13 +129,7 @@ class FluxFamily(ImageFamily):
         if req.task is Task.TEXT_TO_IMAGE and getattr(scheduler.config, "use_flow_sigmas", False):
             sigmas = None
         image_seq_len = (int(h) // view.vae_scale_factor // 2) * (int(w) // view.vae_scale_factor // 2)
-        mu = calculate_shift(
-            image_seq_len,
-            scheduler.config.get("base_image_seq_len", 256),
-            scheduler.config.get("max_image_seq_len", 4096),
-            scheduler.config.get("base_shift", 0.5),
-            scheduler.config.get("max_shift", 1.15),
-        )
+        mu = self.shift(scheduler, image_seq_len)
         # diffusers annotates sigmas as list[float]; its own Flux pipeline passes this numpy array
         timesteps, steps = retrieve_timesteps(scheduler, steps, self.device,
                                               sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
@@ -181,13 +182,18 @@ class FluxFamily(ImageFamily):
         return (grid, tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
                 tuple(cond["pooled"].shape[1:]), s["guidance"] is not None)
 
+    def model_input(self, item: WorkItem) -> torch.Tensor:
+        """The tokens one item sends through the transformer: its packed latents [n, L, 64]."""
+        return item.state["latents"]
+
     @torch.inference_mode()
     def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
         hidden, timesteps, guidance, embeds, pooled, sizes = [], [], [], [], [], []
         for item in items:
             s, cond = item.state, item.inputs["cond"]
             t = s["timesteps"][s["i"]]
-            x = torch.cat([s["latents"]] * 2) if cond["cfg"] else s["latents"]
+            x = self.model_input(item)
+            x = torch.cat([x] * 2) if cond["cfg"] else x
             hidden.append(x)
             timesteps.append(t.expand(x.shape[0]).to(x.dtype))  # per-sample: items sit at different steps
             guidance.append(s["guidance"])

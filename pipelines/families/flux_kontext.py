@@ -28,7 +28,6 @@ import torch
 from diffusers import FluxKontextPipeline
 from diffusers.pipelines.flux.pipeline_flux_kontext import (
     PREFERRED_KONTEXT_RESOLUTIONS,
-    calculate_shift,
     retrieve_timesteps,
 )
 
@@ -125,13 +124,7 @@ class FluxKontextFamily(FluxFamily):
         steps = req.num_inference_steps
         assert steps is not None  # validate() filled it
         sigmas = np.linspace(1.0, 1 / steps, steps)
-        mu = calculate_shift(
-            latents.shape[1],
-            scheduler.config.get("base_image_seq_len", 256),
-            scheduler.config.get("max_image_seq_len", 4096),
-            scheduler.config.get("base_shift", 0.5),
-            scheduler.config.get("max_shift", 1.15),
-        )
+        mu = self.shift(scheduler, latents.shape[1])
         # diffusers annotates sigmas as list[float]; its own pipeline passes this numpy array
         timesteps, steps = retrieve_timesteps(scheduler, steps, self.device,
                                               sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
@@ -153,32 +146,17 @@ class FluxKontextFamily(FluxFamily):
         # The context's size sets its token count and its ids (None: text-to-image, no context tokens).
         return (super().denoise_key(item), item.state["context"])
 
+    def model_input(self, item: WorkItem) -> torch.Tensor:
+        """The noise tokens, then the context image's ([n, L + L_image, 64]; without a context, the noise's)."""
+        s = item.state
+        return s["latents"] if s["image_latents"] is None else torch.cat([s["latents"], s["image_latents"]], dim=1)
+
     @torch.inference_mode()
     def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
-        hidden, timesteps, guidance, embeds, pooled, sizes = [], [], [], [], [], []
-        for item in items:
-            s, cond = item.state, item.inputs["cond"]
-            t = s["timesteps"][s["i"]]
-            x = s["latents"]  # [n, L, 64]; with a context image [n, L + L_image, 64]
-            if s["image_latents"] is not None:
-                x = torch.cat([x, s["image_latents"]], dim=1)
-            x = torch.cat([x] * 2) if cond["cfg"] else x
-            hidden.append(x)
-            timesteps.append(t.expand(x.shape[0]).to(x.dtype))  # per-sample: items sit at different steps
-            guidance.append(s["guidance"])
-            embeds.append(cond["embeds"])
-            pooled.append(cond["pooled"])
-            sizes.append(x.shape[0])
-        first = items[0]
-        batched = {"hidden_states": torch.cat(hidden), "timestep": torch.cat(timesteps) / 1000,
-                   "guidance": torch.cat(guidance) if guidance[0] is not None else None,
-                   "pooled_projections": torch.cat(pooled), "encoder_hidden_states": torch.cat(embeds)}
-        # 2-D ids, equal for all items of one key (the latent grid, the context's size and the T5 length are in it)
-        shared = {"txt_ids": first.inputs["cond"]["text_ids"], "img_ids": first.state["image_ids"]}
-        out = self.denoise("transformer", items, sizes, batched, shared)
-        # the predictions of the noise tokens only (the context's come first to nothing)
+        # the predictions of the noise tokens only (the context's come first to nothing); the ids of one key are
+        # equal for all its items (the latent grid, the context's size and the T5 length are in it)
+        out = super().forward(items)
         return [o[:, :item.state["latents"].shape[1]] for o, item in zip(out, items, strict=True)]
-
 
 def fit_area(width: int, height: int, max_area: int, multiple_of: int) -> tuple[int, int]:
     """(width, height) of about max_area pixels at width:height's aspect ratio, rounded down to multiple_of: the
