@@ -176,3 +176,13 @@ def test_memory_benchmark_prints_its_table():
         assert re.search(rf"^{setting} +\d+\.\d+ +-?\d+\.\d+ +\d+\.\d+ +\d+\.\d+ +(inf|\d+\.\d+)$", run.stdout,
                          re.M), run.stdout
     assert re.search(r"^fp8 +not run \(needs a CUDA device\)", run.stdout, re.M), run.stdout
+
+
+def test_fallback_benchmark_prints_the_overhead():
+    """examples/bench_fallback.py --tiny: both sides' runs, the same image, the overhead ratio."""
+    run = subprocess.run([sys.executable, "examples/bench_fallback.py", "--tiny"], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(re.findall(r"round 1 (mmserve|__call__) +\d+\.\d+ ms", run.stdout)) == 2, run.stdout
+    assert "round 1: both sides made the same image" in run.stdout, run.stdout
+    assert re.search(r"overhead \d+\.\d+x", run.stdout), run.stdout

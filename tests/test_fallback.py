@@ -32,25 +32,9 @@ def _call(path: str, cls_name: str, **request):
 
 @pytest.fixture(scope="module")
 def pixart(tmp_path_factory) -> str:
-    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
+    from pipelines.demo.fallback import build_pixart_sigma
 
-    from pipelines.demo import _seeded, _t5_tokenizer, _vae
-
-    tokenizer = _t5_tokenizer()
-    text_encoder = _seeded(0, lambda: T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)))
-    # sample_size 32: PixArt's resolution binning knows it (256 px bins); four VAE blocks keep that 32 latent px
-    transformer = _seeded(0, lambda: PixArtTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
-        cross_attention_dim=16, sample_size=32, patch_size=2, caption_channels=32, norm_num_groups=8))
-    vae = _seeded(0, lambda: _vae((8, 8, 8, 8), 4))
-    pipe = PixArtSigmaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                               scheduler=DPMSolverMultistepScheduler())
-    path = tmp_path_factory.mktemp("pixart") / "pixart"
-    pipe.save_pretrained(path)
-    return str(path)
+    return build_pixart_sigma(tmp_path_factory.mktemp("pixart") / "pixart")
 
 
 @pytest.fixture(scope="module")
