@@ -4,6 +4,7 @@ diffusers fallback (pipelines/fallback.py): random weights, built offline."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def build_pixart_sigma(out: str | Path, seed: int = 0) -> str:
@@ -22,7 +23,8 @@ def build_pixart_sigma(out: str | Path, seed: int = 0) -> str:
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
         cross_attention_dim=16, sample_size=32, patch_size=2, caption_channels=32, norm_num_groups=8))
     vae = _seeded(seed, lambda: _vae((8, 8, 8, 8), 4))
-    pipe = PixArtSigmaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                               scheduler=DPMSolverMultistepScheduler())
+    pipe: Any = PixArtSigmaPipeline(  # (Any: mypy sees diffusers' lazy exports as dummies)
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+        scheduler=DPMSolverMultistepScheduler())
     pipe.save_pretrained(out)
     return str(out)
