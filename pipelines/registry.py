@@ -15,6 +15,7 @@ FAMILIES = {
     "flux_kontext": "pipelines.families.flux_kontext:FluxKontextFamily",
     "wan": "pipelines.families.wan:WanFamily",  # video (pipelines/video.py)
     "ltx": "pipelines.families.ltx:LTXFamily",
+    "qwen_image": "pipelines.families.qwen_image:QwenImageFamily",
 }
 DIFFUSERS_FALLBACK = "diffusers"  # the family of a diffusers pipeline class with no native family
 # family name -> "module:Class" of its served model (pipelines/served.py): how the engine loads and runs it.
@@ -55,6 +56,7 @@ CLASS_NAMES = {
     "StableDiffusion3InpaintPipeline": "sd3",
     "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
     "FluxKontextPipeline": "flux_kontext",
+    "QwenImagePipeline": "qwen_image",
     "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
 }
 

@@ -13,6 +13,7 @@ Default image size (what a pipeline makes when no height/width is given):
     sd3     tiny   8                 64 x 64       16 x 8 x 8
     flux    tiny   4                 512 x 512     16 x 128 x 128
     flux_kontext  (flux's components, saved as a FluxKontextPipeline)
+    qwen_image  tiny  4                 512 x 512     4 x 1 x 128 x 128   (pipelines/demo/qwen_image.py)
 
 sd / sdxl / sd3 take their default from the denoiser's `sample_size` (8 latent px). Flux's is
 hard-coded in diffusers as 128 latent px * vae scale factor, so its VAE has three blocks: 512 px
@@ -39,6 +40,7 @@ from pipelines.demo.audio_chat import build_qwen2_audio
 from pipelines.demo.embedding import build_clip_model
 from pipelines.demo.llm import build_chat_model
 from pipelines.demo.omni import build_qwen2_5_omni
+from pipelines.demo.qwen_image import build_qwen_image
 from pipelines.demo.tts import build_speecht5_model, build_vits_model
 from pipelines.demo.video import build_ltx, build_wan
 from pipelines.demo.vlm import build_llava, build_qwen2_5_vl
@@ -47,6 +49,7 @@ from pipelines.demo.whisper import ConvertedWhisper, build_whisper_model, tiny_e
 FAMILIES = ("sd", "sdxl", "sd3", "flux")  # diffusion pipelines
 CHAT_FAMILIES = ("llama", "qwen2")  # causal LMs (chat); "qwen2" is built on request, not by default
 SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",), "flux_kontext": ("tiny",),
+          "qwen_image": ("tiny",),
           "llama": ("tiny", "small"), "qwen2": ("tiny",), "clip": ("tiny",), "llava": ("tiny",),
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
           "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",),
@@ -307,6 +310,7 @@ def _build_flux_kontext(seed: int, scale: str):
 
 _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _build_flux,
              "flux_kontext": _build_flux_kontext,
+             "qwen_image": build_qwen_image,  # pipelines/demo/qwen_image.py
              "llama": lambda seed, scale: build_chat_model("llama", seed, scale),
              "qwen2": lambda seed, scale: build_chat_model("qwen2", seed, scale),
              "clip": lambda seed, scale: build_clip_model(seed, scale, _clip_tokenizer()),
