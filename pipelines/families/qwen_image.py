@@ -28,7 +28,7 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from pipelines.families.base import ImageFamily
+from pipelines.families.base import ImageFamily, PackedLatents
 from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
 from stages.stage import WorkItem
 
@@ -36,7 +36,7 @@ MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 SEQUENCE_LIMIT = 1024  # its check_inputs' upper limit
 
 
-class QwenImageFamily(ImageFamily):
+class QwenImageFamily(PackedLatents, ImageFamily):
     family = "qwen_image"
     class_names = ("QwenImagePipeline",)
     pipeline_classes = {Task.TEXT_TO_IMAGE: QwenImagePipeline}
@@ -48,14 +48,6 @@ class QwenImageFamily(ImageFamily):
         if self.pipe.transformer.config.guidance_embeds:
             raise ValueError(f"model {self.name}: a guidance-distilled Qwen-Image transformer (guidance_embeds) is not "
                              "supported by the qwen_image family; serve it with family = \"diffusers\"")
-
-    @property
-    def default_size(self) -> int:
-        return self.pipe.default_sample_size * self.vae_scale_factor
-
-    @property
-    def size_factor(self) -> int:
-        return self.vae_scale_factor * 2  # latents are packed in 2x2 patches
 
     # -- request knobs (request.extra) --------------------------------------------------------
     @staticmethod
