@@ -115,6 +115,9 @@ class ModelSpec:
     offload: dict[str, str] = field(default_factory=dict)
     # diffusion only: weights plus one denoiser forward's activations (measured) must fit; None: no budget
     memory_budget_mb: float | None = None
+    # image diffusion only (sd, sdxl, flux): a diffusers AutoencoderTiny (TAESD) directory that decodes the previews
+    # (partial images) instead of the full VAE; finals keep the full VAE. None: previews use the full VAE
+    preview_vae: str | None = None
     # Whether the checkpoint's weights are random (a demo or test checkpoint: the code path is real, the outputs
     # are noise). None: the checkpoint says so itself (the stamp `mmserve demo-models` writes). A request that
     # names no model gets a random-weight model only when no real-weight one does its task
@@ -157,6 +160,9 @@ class ModelSpec:
         for folder in self.lora_dirs:
             if not Path(folder).is_dir():
                 raise ValueError(f"model {self.name}: lora_dirs entry {str(folder)!r} is not a directory")
+        if self.preview_vae is not None and not Path(self.preview_vae).is_dir():
+            raise ValueError(f"model {self.name}: preview_vae {str(self.preview_vae)!r} is not a directory (an "
+                             "AutoencoderTiny saved with save_pretrained)")
 
     def _check_parallel(self) -> None:
         where, world = f"model {self.name}: ", self.parallel.world

@@ -135,6 +135,9 @@ class Engine:
         if spec.quantize and not issubclass(served_class(family), ServedImages):  # (the diffusers fallback refuses it)
             raise ValueError(f"model {spec.name}: quantize is for the components of diffusion models ({family} is "
                              "not one)")
+        if spec.preview_vae and not issubclass(served_class(family), ServedDiffusion):
+            raise ValueError(f"model {spec.name}: preview_vae is for the native image families sd, sdxl and flux "
+                             f"({family} is not one)")
         # On the ray backend each replica is an actor with its own copy on its device; this process's copy, on the
         # CPU, answers checks and batch keys and runs no forward (so no parallel ranks either).
         context = LoadContext(self.metrics, self.prompt_cache, self.encoder_cache, self.config.limits, self.media,

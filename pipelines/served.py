@@ -162,7 +162,13 @@ class ServedDiffusion(ServedImages):
     does, kinds = "generate images or videos", "diffusion models"
 
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
+        if spec.preview_vae and not getattr(family_class(family_name), "takes_preview_vae", False):
+            raise ValueError(f"model {spec.name}: preview_vae is not supported by family {family_name} (it is for "
+                             "the image families sd, sdxl and flux)")
         family = load_family(spec, family_name, ctx.prompt_cache)
+        if spec.preview_vae:  # previews decode with a tiny VAE; the parallel ranks never preview, so load it here
+            assert isinstance(family, ImageFamily)  # (takes_preview_vae)
+            family.load_preview_vae(spec.preview_vae)
         if spec.max_lora_rank is not None:
             raise ValueError(f"model {spec.name}: max_lora_rank is for language models (their decode graphs)")
         if (spec.loras or spec.lora_dirs) and isinstance(family, VideoFamily):

@@ -309,7 +309,7 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
                          "family 'diffusers')")
     _only(table, ("name", "path", "family", "device", "dtype", "pools", "max_inflight", "llm", "vlm", "asr",
                   "video", "random_weights", "parallel", "loras", "lora_dirs", "lora_budget_mb", "quantize", "offload",
-                  "memory_budget_mb", "max_lora_rank", "max_loras")
+                  "memory_budget_mb", "max_lora_rank", "max_loras", "preview_vae")
           + SPEEDUP_KEYS, where)
     for key in ("name", "path"):
         if not isinstance(table.get(key), str) or not table[key]:
@@ -347,6 +347,10 @@ def _model(table: dict[str, Any], index: int, base: Path) -> ModelSpec:
         if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
             raise ValueError(f"{where} lora_dirs: expected an array of directory paths")
         values["lora_dirs"] = tuple(_path(d, base) for d in dirs)
+    if "preview_vae" in values:  # preview_vae = "taesd": relative to the config file
+        if not isinstance(values["preview_vae"], str) or not values["preview_vae"]:
+            raise ValueError(f"{where} preview_vae: expected the path of an AutoencoderTiny directory")
+        values["preview_vae"] = str(_path(values["preview_vae"], base))
     if "parallel" in values:  # parallel = {cfg = 2}
         values["parallel"] = _build(ParallelConfig, values["parallel"], f"{where} parallel")
     for key, cls in (("graphs", GraphConfig), ("compile", CompileConfig), ("step_cache", StepCacheConfig)):

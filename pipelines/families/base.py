@@ -8,6 +8,7 @@ per-request pipeline views, the prompt cache and the speed-ups are the diffusion
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Hashable
 
 import numpy as np
@@ -147,9 +148,34 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
             proper = renoise(proper, torch.tensor([timesteps[i + 1]]))
         return (1 - mask) * proper + mask * latents
 
+    # -- previews -------------------------------------------------------------------------------
+    takes_preview_vae: bool = False  # whether `vae_pixels` decodes through another VAE (a preview_vae): sd, sdxl, flux
+    preview_vae: Any = None  # the AutoencoderTiny that decodes previews (load_preview_vae); None: the full VAE
+
+    def load_preview_vae(self, path: str) -> None:
+        """Decode previews with the AutoencoderTiny (TAESD) saved at `path`: it reads the full VAE's latents (same
+        channels) and is cheaper by far; finals keep the full VAE. ValueError when it does not fit this model."""
+        from diffusers import AutoencoderTiny
+
+        if not self.takes_preview_vae:
+            raise ValueError(f"model {self.name}: preview_vae is not supported by family {self.family} (it is for "
+                             "sd, sdxl and flux)")
+        tiny = AutoencoderTiny.from_pretrained(path, torch_dtype=self.dtype).to(self.device).eval()
+        have, want = tiny.config.latent_channels, self.pipe.vae.config.latent_channels
+        if have != want:
+            raise ValueError(f"model {self.name}: preview_vae {path} has {have} latent channels, the model's VAE "
+                             f"{want}: it needs a tiny VAE trained for this model's latents")
+        self.preview_vae = tiny
+        self._preview_vae_lock = threading.Lock()  # the tiny VAE is the previews' alone, apart from the full VAE
+
     def preview(self, item: WorkItem) -> Image.Image:
-        with torch.inference_mode(), self._vae_lock:
-            pixels = self.latents_to_pixels(item.state["latents"], item.state.get("decode_extras", {}))
+        latents, extras = item.state["latents"], item.state.get("decode_extras", {})
+        if self.preview_vae is not None:
+            with torch.inference_mode(), self._preview_vae_lock:
+                pixels = self.vae_pixels(self.preview_vae, latents, extras)
+        else:
+            with torch.inference_mode(), self._vae_lock:
+                pixels = self.latents_to_pixels(latents, extras)
         return numpy_to_pil(pixels)[0]
 
     # -- vae_decode -------------------------------------------------------------------------
@@ -161,6 +187,12 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
 
     def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
         """[N, ...] latents -> [N, H, W, 3] float pixels in [0, 1]."""
+        raise NotImplementedError
+
+    def vae_pixels(self, vae: Any, latents: torch.Tensor, extras: dict) -> np.ndarray:
+        """latents_to_pixels through `vae`: the model's own, or its preview VAE (an AutoencoderTiny, whose config's
+        scaling_factor and shift_factor map the latents as diffusers' pipelines do with `pipe.vae = tiny`).
+        Families with `takes_preview_vae` define it."""
         raise NotImplementedError
 
     @torch.inference_mode()
@@ -192,3 +224,19 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
 
 def numpy_to_pil(pixels: np.ndarray) -> list[Image.Image]:
     return [Image.fromarray((p * 255).round().astype("uint8")) for p in pixels]
+
+
+class PackedLatents:
+    """Sizes of a family whose latents are packed in 2x2 patches (FLUX, Qwen-Image): multiples of twice the VAE's
+    factor; by default the pipeline's default_sample_size latents."""
+
+    pipe: Any
+    vae_scale_factor: int
+
+    @property
+    def default_size(self) -> int:
+        return self.pipe.default_sample_size * self.vae_scale_factor
+
+    @property
+    def size_factor(self) -> int:
+        return self.vae_scale_factor * 2

@@ -17,7 +17,7 @@ import torch
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from pipelines.families.base import ImageFamily
+from pipelines.families.base import ImageFamily, PackedLatents
 from pipelines.families.speedups import norm1_indicator
 from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
 from stages.diffusion.block_stack import CacheSpec
@@ -27,7 +27,7 @@ from stages.stage import WorkItem
 MAX_SEQUENCE_LENGTH = 512  # the pipelines' default and their upper limit
 
 
-class FluxFamily(ImageFamily):
+class FluxFamily(PackedLatents, ImageFamily):
     family = "flux"
     class_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
     pipeline_classes = {
@@ -37,14 +37,6 @@ class FluxFamily(ImageFamily):
     }
     default_steps = 28  # FluxPipeline.__call__ num_inference_steps
     default_guidance = 3.5  # the embedded (distilled) guidance, not CFG
-
-    @property
-    def default_size(self) -> int:
-        return self.pipe.default_sample_size * self.vae_scale_factor
-
-    @property
-    def size_factor(self) -> int:
-        return self.vae_scale_factor * 2  # latents are packed in 2x2 patches
 
     # -- request knobs (request.extra) --------------------------------------------------------
     @staticmethod
@@ -231,8 +223,14 @@ class FluxFamily(ImageFamily):
         s["i"] += 1
 
     # -- 4. decode ---------------------------------------------------------------------------
+    takes_preview_vae = True
+
     def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
-        pipe, vae = self.pipe, self.pipe.vae
+        return self.vae_pixels(self.pipe.vae, latents, extras)
+
+    def vae_pixels(self, vae: Any, latents: torch.Tensor, extras: dict) -> np.ndarray:
+        # packed [N, tokens, C*4] -> [N, C, H/8, W/8]; a preview VAE (TAEF1) maps them by its own config's factors
+        pipe = self.pipe
         latents = pipe._unpack_latents(latents, extras["height"], extras["width"], pipe.vae_scale_factor)
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
         image = vae.decode(latents, return_dict=False)[0]

@@ -150,10 +150,9 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
                 "time_ids": torch.cat([it.state["time_ids"] for it in items])}
 
     # -- 4. decode ---------------------------------------------------------------------------
-    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
-        """Called under the VAE lock (base.decode / base.preview)."""
+    def vae_pixels(self, vae: Any, latents: torch.Tensor, extras: dict) -> np.ndarray:
+        """Called under the VAE's lock (base.decode / base.preview)."""
         pipe = self.pipe
-        vae = pipe.vae
         # SDXL's VAE overflows in float16: diffusers upcasts it for the decode and casts it back.
         needs_upcasting = vae.dtype == torch.float16 and vae.config.force_upcast
         if needs_upcasting:
