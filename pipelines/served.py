@@ -164,7 +164,7 @@ class ServedDiffusion(ServedImages):
     def __init__(self, spec: ModelSpec, family_name: str, ctx: LoadContext, random_weights: bool):
         if spec.preview_vae and not getattr(family_class(family_name), "takes_preview_vae", False):
             raise ValueError(f"model {spec.name}: preview_vae is not supported by family {family_name} (it is for "
-                             "the image families sd, sdxl and flux)")
+                             "the image families sd, sdxl, sd3 and flux, and those built on them)")
         family = load_family(spec, family_name, ctx.prompt_cache)
         if spec.preview_vae:  # previews decode with a tiny VAE; the parallel ranks never preview, so load it here
             assert isinstance(family, ImageFamily)  # (takes_preview_vae)

@@ -11,7 +11,7 @@ from diffusers import AutoencoderTiny, StableDiffusionPipeline
 
 from pipelines.image_request import ImageRequest
 from stages.events import EventKind
-from tests.helpers import running_engine, seeded
+from tests.helpers import demo_path, running_engine, seeded
 
 REQUEST = {"prompt": "a lighthouse", "num_inference_steps": 4, "guidance_scale": 6.0, "seed": 3}
 
@@ -100,9 +100,9 @@ def test_the_final_image_is_the_full_vaes(engine, sd_path):
     assert np.asarray(with_tiny["images"][0]).tobytes() == np.asarray(without["images"][0]).tobytes()
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sd3"])
 def test_other_families_preview_with_the_tiny_vae(demo_models, tmp_path, family):
-    """SDXL's latents as they are; Flux's unpacked from its token sequence first (16 channels)."""
+    """SDXL's latents as they are; Flux's unpacked from its token sequence first (16 channels); SD3's 16."""
     path = str(demo_models[family])
     channels = json.loads((Path(path) / "vae" / "config.json").read_text())["latent_channels"]
     with running_engine(path, preview_vae=tiny_vae(path, tmp_path / "tiny", channels)) as eng:
@@ -116,7 +116,7 @@ def test_other_families_preview_with_the_tiny_vae(demo_models, tmp_path, family)
     assert calls[0][0].shape[1] == channels and calls[0][0].ndim == 4  # [N, C, h, w]
 
 
-def test_refused_at_start(sd_path, demo_models, tmp_path):
+def test_refused_at_start(sd_path, tmp_path, tmp_path_factory):
     from pipelines.config import ModelSpec
     from serve.config import _model
 
@@ -124,8 +124,8 @@ def test_refused_at_start(sd_path, demo_models, tmp_path):
     with pytest.raises(ValueError, match=r"preview_vae .*wide has 16 latent channels, the model's VAE 4"):
         with running_engine(sd_path, preview_vae=wide):
             pass
-    with pytest.raises(ValueError, match=r"preview_vae is not supported by family sd3"):
-        with running_engine(str(demo_models["sd3"]), preview_vae=wide):
+    with pytest.raises(ValueError, match=r"preview_vae is not supported by family qwen_image"):
+        with running_engine(demo_path(tmp_path_factory, "qwen_image"), preview_vae=wide):
             pass
     with pytest.raises(ValueError, match=r"preview_vae .*missing.* is not a directory"):
         ModelSpec("m", sd_path, preview_vae=str(tmp_path / "missing"))

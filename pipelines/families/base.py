@@ -149,7 +149,7 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         return (1 - mask) * proper + mask * latents
 
     # -- previews -------------------------------------------------------------------------------
-    takes_preview_vae: bool = False  # whether `vae_pixels` decodes through another VAE (a preview_vae): sd, sdxl, flux
+    takes_preview_vae: bool = False  # `vae_pixels` decodes through another VAE too (a preview_vae): sd, sdxl, sd3, flux
     preview_vae: Any = None  # the AutoencoderTiny that decodes previews (load_preview_vae); None: the full VAE
 
     def load_preview_vae(self, path: str) -> None:
@@ -157,9 +157,7 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         channels) and is cheaper by far; finals keep the full VAE. ValueError when it does not fit this model."""
         from diffusers import AutoencoderTiny
 
-        if not self.takes_preview_vae:
-            raise ValueError(f"model {self.name}: preview_vae is not supported by family {self.family} (it is for "
-                             "sd, sdxl and flux)")
+        assert self.takes_preview_vae  # ServedDiffusion refuses the other families before loading
         tiny = AutoencoderTiny.from_pretrained(path, torch_dtype=self.dtype).to(self.device).eval()
         have, want = tiny.config.latent_channels, self.pipe.vae.config.latent_channels
         if have != want:
@@ -186,13 +184,13 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
     vae_tiling_above_px = VAE_TILING_ABOVE_PX
 
     def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
-        """[N, ...] latents -> [N, H, W, 3] float pixels in [0, 1]."""
-        raise NotImplementedError
+        """[N, ...] latents -> [N, H, W, 3] float pixels in [0, 1], through the model's own VAE."""
+        return self.vae_pixels(self.pipe.vae, latents, extras)
 
     def vae_pixels(self, vae: Any, latents: torch.Tensor, extras: dict) -> np.ndarray:
         """latents_to_pixels through `vae`: the model's own, or its preview VAE (an AutoencoderTiny, whose config's
         scaling_factor and shift_factor map the latents as diffusers' pipelines do with `pipe.vae = tiny`).
-        Families with `takes_preview_vae` define it."""
+        Families with `takes_preview_vae` define it; the others may define latents_to_pixels instead."""
         raise NotImplementedError
 
     @torch.inference_mode()

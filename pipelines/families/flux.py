@@ -225,9 +225,6 @@ class FluxFamily(PackedLatents, ImageFamily):
     # -- 4. decode ---------------------------------------------------------------------------
     takes_preview_vae = True
 
-    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
-        return self.vae_pixels(self.pipe.vae, latents, extras)
-
     def vae_pixels(self, vae: Any, latents: torch.Tensor, extras: dict) -> np.ndarray:
         # packed [N, tokens, C*4] -> [N, C, H/8, W/8]; a preview VAE (TAEF1) maps them by its own config's factors
         pipe = self.pipe

@@ -139,9 +139,6 @@ class StableDiffusionFamily(ImageFamily):
     # -- 4. decode ---------------------------------------------------------------------------
     takes_preview_vae = True
 
-    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
-        return self.vae_pixels(self.pipe.vae, latents, extras)
-
     def vae_pixels(self, vae: Any, latents: torch.Tensor, extras: dict) -> np.ndarray:
         # (a TAESD's scaling_factor is 1.0: it decodes the UNet's latents as they are)
         image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]

@@ -205,8 +205,9 @@ class StableDiffusion3Family(ImageFamily):
         s["i"] = i + 1
 
     # -- 4. decode ---------------------------------------------------------------------------
-    def latents_to_pixels(self, latents: torch.Tensor, extras: dict) -> np.ndarray:
-        vae = self.pipe.vae
+    takes_preview_vae = True
+
+    def vae_pixels(self, vae: Any, latents: torch.Tensor, extras: dict) -> np.ndarray:
         latents = latents / vae.config.scaling_factor
         if extras.get("shift", True):
             latents = latents + vae.config.shift_factor
