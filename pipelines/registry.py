@@ -15,7 +15,9 @@ FAMILIES = {
     "flux_kontext": "pipelines.families.flux_kontext:FluxKontextFamily",
     "wan": "pipelines.families.wan:WanFamily",  # video (pipelines/video.py)
     "ltx": "pipelines.families.ltx:LTXFamily",
+    "cogvideox": "pipelines.families.cogvideox:CogVideoXFamily",
     "qwen_image": "pipelines.families.qwen_image:QwenImageFamily",
+    "sana": "pipelines.families.sana:SanaFamily",
 }
 DIFFUSERS_FALLBACK = "diffusers"  # the family of a diffusers pipeline class with no native family
 # family name -> "module:Class" of its served model (pipelines/served.py): how the engine loads and runs it.
@@ -57,7 +59,9 @@ CLASS_NAMES = {
     "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
     "FluxKontextPipeline": "flux_kontext",
     "QwenImagePipeline": "qwen_image",
+    "SanaPipeline": "sana",
     "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
+    "CogVideoXPipeline": "cogvideox",
 }
 
 

@@ -1,0 +1,161 @@
+"""CogVideoX: a 3-D DiT (expert adaptive LayerNorm over text and video tokens) + T5 text + AutoencoderKLCogVideoX.
+
+Mirrors diffusers' CogVideoXPipeline (text-to-video) step by step: T5 embeddings of 226 tokens, latents in
+CogVideoX's [B, F, C, H, W] layout (frames before channels), CogVideoXDDIMScheduler or CogVideoXDPMScheduler as the
+checkpoint's config says (the DPM one carries the previous step's x0 prediction and draws noise from the request's
+generator), rotary embeddings when the transformer uses them, CogVideoX 1.5's padding of the latent frames to its
+temporal patch (cut off again before the decode), and the decode by 1 / scaling_factor.
+
+diffusers' use_dynamic_cfg (off by default) is not served: guidance is the request's constant guidance_scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+from diffusers import CogVideoXPipeline
+from diffusers.schedulers.scheduling_dpm_cogvideox import CogVideoXDPMScheduler
+
+from pipelines.families.video_base import VideoFamily
+from pipelines.video import VideoRequest, VideoTask
+from stages.stage import WorkItem
+
+
+class CogVideoXFamily(VideoFamily):
+    family = "cogvideox"
+    class_names = ("CogVideoXPipeline",)
+    pipelines_by_class = {"CogVideoXPipeline": {VideoTask.TEXT_TO_VIDEO: CogVideoXPipeline}}
+    default_steps = 50  # CogVideoXPipeline.__call__ defaults
+    default_guidance = 6.0
+    default_size = (720, 480)  # the size of the transformer's sample_width/height (the checkpoint's, see below)
+    default_frames = 49
+    default_fps = 8.0  # CogVideoX is trained on 8 fps clips (49 frames: 6 s + 1)
+    max_sequence_length = 226
+
+    @property
+    def request_default_size(self) -> tuple[int, int]:
+        # __call__: height = transformer.config.sample_height * vae_scale_factor_spatial (likewise the width)
+        config, scale = self.pipe.transformer.config, self.pipe.vae_scale_factor_spatial
+        return self.video.default_size or (config.sample_width * scale, config.sample_height * scale)
+
+    @property
+    def request_default_frames(self) -> int:
+        return self.video.default_frames or self.pipe.transformer.config.sample_frames
+
+    @property
+    def size_factor(self) -> int:
+        # check_inputs asks for multiples of 8; the transformer's patches need the latents divisible by patch_size
+        return self.pipe.vae_scale_factor_spatial * self.pipe.transformer.config.patch_size
+
+    @property
+    def frame_factor(self) -> int:
+        return self.pipe.vae_scale_factor_temporal
+
+    def enable_vae_tiling(self) -> None:
+        """CogVideoX's VAE names its tiles by size and overlap factor, not stride."""
+        if self.video.vae_tile is None:
+            self.pipe.vae.enable_tiling()
+            return
+        tile, stride = self.video.vae_tile
+        overlap = 1 - stride / tile
+        self.pipe.vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                                    tile_overlap_factor_height=overlap, tile_overlap_factor_width=overlap)
+
+    # -- 1. text ----------------------------------------------------------------------------
+    def encode_text(self, text: str) -> dict[str, torch.Tensor]:
+        embeds = self.pipe._get_t5_prompt_embeds(text, 1, self.max_sequence_length, self.device)
+        return {"embeds": embeds}  # [1, 226, D] in the text encoder's dtype, as __call__ keeps them
+
+    def conditioning(self, prompt: dict, negative: dict | None, request: VideoRequest) -> dict[str, Any]:
+        embeds = prompt["embeds"]
+        if negative is not None:  # [negative, prompt], as __call__ concatenates them
+            embeds = torch.cat([negative["embeds"], embeds])
+        return {"embeds": embeds, "cfg": negative is not None}
+
+    # -- 2. prepare ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare(self, item: WorkItem) -> None:
+        req, cond, scheduler, view, generator = self.begin(item)
+        h, w, frames = req.height, req.width, req.num_frames
+        assert h is not None and w is not None and frames is not None  # validate() filled them
+        config = view.transformer.config
+
+        # 2.1 timesteps
+        scheduler.set_timesteps(req.num_inference_steps, device=self.device)
+        timesteps = scheduler.timesteps
+
+        # 2.2 CogVideoX 1.5 (patch_size_t): the latent frames padded up to whole temporal patches
+        latent_frames = (frames - 1) // view.vae_scale_factor_temporal + 1
+        additional_frames = 0
+        if config.patch_size_t is not None and latent_frames % config.patch_size_t:
+            additional_frames = config.patch_size_t - latent_frames % config.patch_size_t
+            frames += additional_frames * view.vae_scale_factor_temporal
+
+        # 2.3 latents [1, F, C, h, w] in the embeddings' dtype, times the scheduler's init_noise_sigma
+        latents = view.prepare_latents(1, config.in_channels, frames, h, w, cond["embeds"].dtype, self.device,
+                                       generator)
+
+        # 2.4 rotary embeddings of the (latent frames, height, width) grid: one pair for every request of this shape
+        rotary = None
+        if config.use_rotary_positional_embeddings:
+            rotary = view._prepare_rotary_positional_embeddings(h, w, latents.size(1), self.device)
+        item.state.update(scheduler=scheduler, timesteps=timesteps, total=len(timesteps), latents=latents,
+                          rotary=rotary, generator=generator, old_pred_original_sample=None,
+                          decode_extras={"additional_frames": additional_frames})
+
+    # -- 3. denoise ------------------------------------------------------------------------
+    def denoise_key(self, item: WorkItem) -> Hashable:
+        s, cond = item.state, item.inputs["cond"]
+        return (tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
+                s["rotary"] is not None)
+
+    @torch.inference_mode()
+    def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
+        hidden, timesteps, embeds, sizes = [], [], [], []
+        for item in items:
+            s, cond = item.state, item.inputs["cond"]
+            t = s["timesteps"][s["i"]]
+            rows = 2 if cond["cfg"] else 1
+            x = s["scheduler"].scale_model_input(torch.cat([s["latents"]] * rows), t)
+            hidden.append(x)
+            timesteps.append(t.expand(rows))
+            embeds.append(cond["embeds"])
+            sizes.append(rows)
+        batched = {"hidden_states": torch.cat(hidden), "encoder_hidden_states": torch.cat(embeds),
+                   "timestep": torch.cat(timesteps)}
+        shared = {"image_rotary_emb": items[0].state["rotary"]}  # equal for every item of one denoise key
+        return [out.float() for out in self.denoise("transformer", items, sizes, batched, shared)]
+
+    # -- speed-ups ----------------------------------------------------------------------------
+    denoiser_keys = ("transformer",)  # (no cache_spec: step caching is not wired for CogVideoX's blocks)
+
+    def repeated_blocks(self, module) -> tuple:
+        return tuple(module.transformer_blocks)
+
+    @torch.inference_mode()
+    def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
+        s, req = item.state, item.inputs["request"]
+        i, scheduler, timesteps = s["i"], s["scheduler"], s["timesteps"]
+        dtype = s["latents"].dtype
+        noise_pred = self.guide(model_output, item.inputs["cond"]["cfg"], req.guidance_scale)
+        # prepare_extra_step_kwargs: eta 0 and the request's generator
+        if isinstance(scheduler, CogVideoXDPMScheduler):
+            latents, s["old_pred_original_sample"] = scheduler.step(
+                noise_pred, s["old_pred_original_sample"], timesteps[i], timesteps[i - 1] if i > 0 else None,
+                s["latents"], eta=0.0, generator=s["generator"], return_dict=False)
+        else:
+            latents = scheduler.step(noise_pred, timesteps[i], s["latents"], eta=0.0, generator=s["generator"],
+                                     return_dict=False)[0]
+        s["latents"] = latents.to(dtype)
+        s["i"] = i + 1
+
+    # -- 4. decode ---------------------------------------------------------------------------
+    def latents_to_video(self, latents: torch.Tensor, items: list[WorkItem]) -> torch.Tensor:
+        """[B, F, C, h, w] latents -> [B, 3, frames, H, W] (decode_latents, after the padding frames are cut)."""
+        vae = self.pipe.vae
+        latents = latents[:, items[0].inputs["decode_extras"]["additional_frames"]:]
+        latents = latents.permute(0, 2, 1, 3, 4)  # [B, C, F, h, w]
+        latents = 1 / self.pipe.vae_scaling_factor_image * latents
+        return vae.decode(latents.to(vae.dtype)).sample
+
