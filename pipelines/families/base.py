@@ -49,6 +49,12 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         """The width and height of a request that names no size."""
         raise NotImplementedError
 
+    def refuse_guidance_embeds(self, what: str) -> None:
+        """A guidance-distilled transformer (`guidance_embeds`) this family's loop does not feed: refused at load."""
+        if self.pipe.transformer.config.guidance_embeds:
+            raise ValueError(f"model {self.name}: a guidance-distilled {what} transformer (guidance_embeds) is not "
+                             f"supported by the {self.family} family; serve it with family = \"diffusers\"")
+
     def validate(self, request: ImageRequest, limits: ImageLimits) -> ImageRequest:
         """The request checked and completed (defaults filled, a seed drawn), or the field-naming RequestError."""
         if request.task.value not in self.tasks:

@@ -11,14 +11,14 @@ diffusers' use_dynamic_cfg (off by default) is not served: guidance is the reque
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Hashable
 
 import torch
 from diffusers import CogVideoXPipeline
 from diffusers.schedulers.scheduling_dpm_cogvideox import CogVideoXDPMScheduler
 
 from pipelines.families.video_base import VideoFamily
-from pipelines.video import VideoRequest, VideoTask
+from pipelines.video import VideoTask
 from stages.stage import WorkItem
 
 
@@ -66,12 +66,6 @@ class CogVideoXFamily(VideoFamily):
     def encode_text(self, text: str) -> dict[str, torch.Tensor]:
         embeds = self.pipe._get_t5_prompt_embeds(text, 1, self.max_sequence_length, self.device)
         return {"embeds": embeds}  # [1, 226, D] in the text encoder's dtype, as __call__ keeps them
-
-    def conditioning(self, prompt: dict, negative: dict | None, request: VideoRequest) -> dict[str, Any]:
-        embeds = prompt["embeds"]
-        if negative is not None:  # [negative, prompt], as __call__ concatenates them
-            embeds = torch.cat([negative["embeds"], embeds])
-        return {"embeds": embeds, "cfg": negative is not None}
 
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -45,9 +45,7 @@ class QwenImageFamily(PackedLatents, ImageFamily):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if self.pipe.transformer.config.guidance_embeds:
-            raise ValueError(f"model {self.name}: a guidance-distilled Qwen-Image transformer (guidance_embeds) is not "
-                             "supported by the qwen_image family; serve it with family = \"diffusers\"")
+        self.refuse_guidance_embeds("Qwen-Image")
 
     # -- request knobs (request.extra) --------------------------------------------------------
     @staticmethod

@@ -55,9 +55,7 @@ class SanaFamily(ImageFamily):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if self.pipe.transformer.config.guidance_embeds:
-            raise ValueError(f"model {self.name}: a guidance-distilled Sana transformer (guidance_embeds, Sana-Sprint) "
-                             "is not supported by the sana family; serve it with family = \"diffusers\"")
+        self.refuse_guidance_embeds("Sana (Sana-Sprint)")
 
     @property
     def default_size(self) -> int:

@@ -42,6 +42,13 @@ class VideoFamily(DiffusionFamily[VideoTask, VideoRequest]):
         if self.video.vae_slicing:
             self.pipe.vae.enable_slicing()
 
+    def conditioning(self, prompt: dict, negative: dict | None, request: VideoRequest) -> dict[str, Any]:
+        """One video's text embeddings, [negative, prompt] with guidance (base.guide's (uncond, cond) order)."""
+        embeds = prompt["embeds"]
+        if negative is not None:
+            embeds = torch.cat([negative["embeds"], embeds])
+        return {"embeds": embeds, "cfg": negative is not None}
+
     def enable_vae_tiling(self) -> None:
         """Decode in overlapping tiles, of the configured size (video.vae_tile) or the VAE's own."""
         if self.video.vae_tile is None:

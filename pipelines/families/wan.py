@@ -21,7 +21,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from pipelines.families.video_base import VideoFamily
 from pipelines.parallel_vae import decode_tile, parallel_tiled_decode, tiles_apply
-from pipelines.video import VideoRequest, VideoTask
+from pipelines.video import VideoTask
 from stages.diffusion.block_stack import CacheSpec
 from stages.diffusion.step_cache import TEACACHE_COEFFICIENTS
 from stages.stage import WorkItem
@@ -69,12 +69,6 @@ class WanFamily(VideoFamily):
     @property
     def _transformer_dtype(self):
         return (self.pipe.transformer or self.pipe.transformer_2).dtype
-
-    def conditioning(self, prompt: dict, negative: dict | None, request: VideoRequest) -> dict[str, Any]:
-        embeds = prompt["embeds"]
-        if negative is not None:  # [negative, prompt]: base.guide's (uncond, cond) order
-            embeds = torch.cat([negative["embeds"], embeds])
-        return {"embeds": embeds, "cfg": negative is not None}
 
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()
