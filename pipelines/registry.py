@@ -16,8 +16,10 @@ FAMILIES = {
     "wan": "pipelines.families.wan:WanFamily",  # video (pipelines/video.py)
     "ltx": "pipelines.families.ltx:LTXFamily",
     "cogvideox": "pipelines.families.cogvideox:CogVideoXFamily",
+    "hunyuan_video": "pipelines.families.hunyuan_video:HunyuanVideoFamily",
     "qwen_image": "pipelines.families.qwen_image:QwenImageFamily",
     "sana": "pipelines.families.sana:SanaFamily",
+    "z_image": "pipelines.families.z_image:ZImageFamily",
 }
 DIFFUSERS_FALLBACK = "diffusers"  # the family of a diffusers pipeline class with no native family
 # family name -> "module:Class" of its served model (pipelines/served.py): how the engine loads and runs it.
@@ -58,10 +60,12 @@ CLASS_NAMES = {
     "StableDiffusion3InpaintPipeline": "sd3",
     "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
     "FluxKontextPipeline": "flux_kontext",
-    "QwenImagePipeline": "qwen_image",
+    "QwenImagePipeline": "qwen_image", "QwenImageEditPipeline": "qwen_image",
     "SanaPipeline": "sana",
+    "ZImagePipeline": "z_image",
     "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
     "CogVideoXPipeline": "cogvideox",
+    "HunyuanVideoPipeline": "hunyuan_video",
 }
 
 

@@ -311,8 +311,7 @@ class ServedDiffusion(ServedImages):
         else:  # a parallel replica's ranks may run one row each: too few pixels for a small UNet's group norms
             size = info.size_factor * 2 if self.model.parallel.world == 1 else info.default_size
             for width, height in graphs.sizes or [(size, size)]:
-                engine.submit(self.name, ImageRequest(prompt="warm-up", width=width, height=height,
-                                                      num_inference_steps=1, seed=0)).result(timeout=600)
+                engine.submit(self.name, self.model.warm_request(width, height)).result(timeout=600)
         self.model.denoiser.seal()
 
     def describe(self) -> str:

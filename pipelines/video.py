@@ -77,6 +77,7 @@ class VideoRequest:
     fps: float | None = None  # None: the family default (16 for Wan, 25 for LTX)
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    true_cfg_scale: float | None = None  # HunyuanVideo: true CFG (> 1, with a negative prompt); None: 1.0, off
     seed: int | None = None  # None: a random seed, reported back
     image: Any = None  # PIL.Image.Image: the image-to-video reference (the first frame)
     tenant: str = "default"  # enters every cache identity

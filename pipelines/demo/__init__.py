@@ -14,7 +14,9 @@ Default image size (what a pipeline makes when no height/width is given):
     flux    tiny   4                 512 x 512     16 x 128 x 128
     flux_kontext  (flux's components, saved as a FluxKontextPipeline)
     qwen_image  tiny  4                 512 x 512     4 x 1 x 128 x 128   (pipelines/demo/qwen_image.py)
+    qwen_image_edit  (qwen_image's components and the Qwen2.5-VL processor, saved as a QwenImageEditPipeline)
     sana    tiny   4                 1024 x 1024   4 x 128 x 128 (512 px bin, resized) (pipelines/demo/sana.py)
+    z_image tiny   4                 1024 x 1024   16 x 256 x 256  (pipelines/demo/z_image.py)
 
 sd / sdxl / sd3 take their default from the denoiser's `sample_size` (8 latent px). Flux's is
 hard-coded in diffusers as 128 latent px * vae scale factor, so its VAE has three blocks: 512 px
@@ -40,24 +42,27 @@ import torch
 from pipelines.demo.audio_chat import build_qwen2_audio
 from pipelines.demo.cogvideox import build_cogvideox
 from pipelines.demo.embedding import build_clip_model
+from pipelines.demo.hunyuan_video import build_hunyuan_video
 from pipelines.demo.llm import build_chat_model
 from pipelines.demo.omni import build_qwen2_5_omni
-from pipelines.demo.qwen_image import build_qwen_image
+from pipelines.demo.qwen_image import build_qwen_image, build_qwen_image_edit
 from pipelines.demo.sana import build_sana
 from pipelines.demo.tts import build_speecht5_model, build_vits_model
 from pipelines.demo.video import build_ltx, build_wan
 from pipelines.demo.vlm import build_llava, build_qwen2_5_vl
 from pipelines.demo.whisper import ConvertedWhisper, build_whisper_model, tiny_en_source
+from pipelines.demo.z_image import build_z_image
 
 FAMILIES = ("sd", "sdxl", "sd3", "flux")  # diffusion pipelines
 CHAT_FAMILIES = ("llama", "qwen2")  # causal LMs (chat); "qwen2" is built on request, not by default
 SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",), "flux_kontext": ("tiny",),
-          "qwen_image": ("tiny",), "sana": ("tiny",),
+          "qwen_image": ("tiny",), "qwen_image_edit": ("tiny",), "sana": ("tiny",), "z_image": ("tiny",),
           "llama": ("tiny", "small"), "qwen2": ("tiny",), "clip": ("tiny",), "llava": ("tiny",),
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
           "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",), "cogvideox": ("tiny",),
+          "hunyuan_video": ("tiny",),
           "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",), "qwen2_audio": ("tiny",), "qwen2_5_omni": ("tiny",)}
-VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx", "cogvideox")  # text/image-to-video (demo/video.py, demo/cogvideox.py)
+VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx", "cogvideox", "hunyuan_video")  # text/image-to-video (demo/*.py)
 VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo/vlm.py); qwen2_vl on request
 AUDIO_CHAT_FAMILIES = ("qwen2_audio", "qwen2_5_omni")  # audio-language chat (pipelines/demo/audio_chat.py, omni.py)
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
@@ -314,7 +319,9 @@ def _build_flux_kontext(seed: int, scale: str):
 _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _build_flux,
              "flux_kontext": _build_flux_kontext,
              "qwen_image": build_qwen_image,  # pipelines/demo/qwen_image.py
+             "qwen_image_edit": build_qwen_image_edit,  # pipelines/demo/qwen_image.py
              "sana": build_sana,  # pipelines/demo/sana.py
+             "z_image": build_z_image,  # pipelines/demo/z_image.py
              "llama": lambda seed, scale: build_chat_model("llama", seed, scale),
              "qwen2": lambda seed, scale: build_chat_model("qwen2", seed, scale),
              "clip": lambda seed, scale: build_clip_model(seed, scale, _clip_tokenizer()),
@@ -330,6 +337,7 @@ _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _b
              "wan": build_wan, "wan-i2v": lambda seed, scale: build_wan(seed, scale, image_to_video=True),
              "ltx": build_ltx,
              "cogvideox": build_cogvideox,  # pipelines/demo/cogvideox.py: CogVideoXPipeline
+             "hunyuan_video": build_hunyuan_video,  # pipelines/demo/hunyuan_video.py: HunyuanVideoPipeline
              # audio-language chat (pipelines/demo/audio_chat.py): Qwen2-Audio, a 10 s encoder window
              "qwen2_audio": lambda seed, scale: build_qwen2_audio(seed),
              # Qwen2.5-Omni (pipelines/demo/omni.py): thinker, talker, token2wav and its speakers

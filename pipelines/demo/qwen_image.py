@@ -1,6 +1,7 @@
 """A tiny, seeded, random-weight Qwen-Image checkpoint (QwenImagePipeline), built offline.
 
-    qwen_image  tiny  vae scale factor 4  default size 512 x 512  latents [4, 1, 128, 128]
+    qwen_image       tiny  vae scale factor 4  default size 512 x 512  latents [4, 1, 128, 128]
+    qwen_image_edit  the same components with the Qwen2.5-VL processor, saved as a QwenImageEditPipeline
 
 Components: a 2-block QwenImageTransformer2DModel (4 latent channels packed 2x2: in_channels 16), a 3-D
 AutoencoderKLQwenImage (z_dim 4, two spatial downsamples, non-trivial latents_mean / latents_std so the decode's
@@ -17,10 +18,23 @@ from pipelines.demo.vlm import build_qwen2_5_vl
 
 
 def build_qwen_image(seed: int = 0, scale: str = "tiny"):
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline(**_components(seed))
+
+
+def build_qwen_image_edit(seed: int = 0, scale: str = "tiny"):
+    """Qwen-Image-Edit: qwen_image's components, and the tiny Qwen2.5-VL processor (its image processor makes 4..16
+    vision tokens of an image) that the edit pipeline's text encoder reads the input image through."""
+    from diffusers import QwenImageEditPipeline
+
+    return QwenImageEditPipeline(**_components(seed, processor=True))
+
+
+def _components(seed: int, *, processor: bool = False) -> dict:
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
 
@@ -51,5 +65,12 @@ def build_qwen_image(seed: int = 0, scale: str = "tiny"):
         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
         base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
     )
-    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                             transformer=transformer)
+    components = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                      transformer=transformer)
+    if processor:  # Qwen-Image-Edit saves a Qwen2VLProcessor beside its Qwen2.5-VL encoder: the same image processor
+        from transformers import Qwen2VLProcessor
+
+        components["processor"] = Qwen2VLProcessor(image_processor=vlm.processor.image_processor, tokenizer=tokenizer,
+                                                   video_processor=vlm.processor.video_processor,
+                                                   chat_template=vlm.processor.chat_template)
+    return components

@@ -68,6 +68,10 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
             request = dataclasses.replace(request, lora=self.loras.resolve(request.lora))
         return request
 
+    def warm_request(self, width: int, height: int) -> ImageRequest:
+        """The warm-up's tiny request at one size (pipelines/served.py): text-to-image, one step."""
+        return ImageRequest(prompt="warm-up", width=width, height=height, num_inference_steps=1, seed=0)
+
     # -- prepare helpers shared by the image families -----------------------------------------
     mask_batch_args: tuple[int | str, ...] = ("n",)  # how prepare_mask_latents takes the batch: ("n",) or (1, "n")
 

@@ -13,6 +13,16 @@ Mirrors diffusers' QwenImagePipeline (text-to-image) step by step. What differs 
   to the conditional prediction's norm (per token) before the scheduler step;
 * decode de-normalises with the VAE's latents_mean / latents_std and decodes one frame of the 3-D VAE.
 
+A checkpoint saved as QwenImageEditPipeline serves instruction edits (image-to-image, /v1/images/edits) instead,
+mirroring that pipeline's __call__: the input image is resized to `calculate_dimensions(target_area, its aspect
+ratio)` (request.extra['target_area']; the pipeline's 1024 * 1024), then goes both through the Qwen2.5-VL encoder
+(the processor's vision input, the edit template, whose first 64 tokens are dropped; the edit pipeline cuts nothing
+at max_sequence_length) and through the VAE (the distribution's mode, normalised) as packed context latents
+concatenated after the noise tokens, with their own img_shapes entry. The output size is the request's, else the
+resized input's; the transformer's output is cut back to the noise tokens. The prompt cache keys an edit's
+embeddings by a digest of the resized image too. (QwenImageEditPlusPipeline takes several input images; an
+ImageRequest carries one, so it is not served.)
+
 Step-level batching: the prompt and the negative prompt of one request may differ in length; one forward takes them
 padded to a common length with a mask (the pipeline runs two unpadded forwards: a mask moves the result by float
 error only, ~1e-7). Requests share forwards when their latent grid, their padded text length and whether they need
@@ -21,25 +31,48 @@ a mask are equal, so that a request's numerics never depend on who else is in th
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import math
 from typing import Any, Hashable
 
 import numpy as np
 import torch
-from diffusers import QwenImagePipeline
+from diffusers import QwenImageEditPipeline, QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from PIL import Image
 
 from pipelines.families.base import ImageFamily, PackedLatents
 from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
+from pipelines.registry import _read_index
+from stages.diffusion.memory import Size
 from stages.stage import WorkItem
 
 MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default
 SEQUENCE_LIMIT = 1024  # its check_inputs' upper limit
+EDIT_AREA = 1024 * 1024  # QwenImageEditPipeline.__call__'s calculate_dimensions target area
+EDIT_ROUND = 32  # calculate_dimensions rounds both sides to multiples of this
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptImage:
+    """An edit's input image as the text encoder sees it (resized), identified in the prompt cache by its digest."""
+
+    digest: str  # sha256 of the resized image's size, mode and pixels
+    image: Image.Image = dataclasses.field(compare=False, hash=False, repr=False)
+
+    @classmethod
+    def of(cls, image: Image.Image) -> "PromptImage":
+        digest = hashlib.sha256(f"{image.size}:{image.mode}:".encode() + image.tobytes()).hexdigest()
+        return cls(digest, image)
 
 
 class QwenImageFamily(PackedLatents, ImageFamily):
     family = "qwen_image"
-    class_names = ("QwenImagePipeline",)
+    class_names = ("QwenImagePipeline", "QwenImageEditPipeline")
     pipeline_classes = {Task.TEXT_TO_IMAGE: QwenImagePipeline}
+    edit_pipeline_classes = {Task.IMAGE_TO_IMAGE: QwenImageEditPipeline}  # a QwenImageEditPipeline checkpoint's
     default_steps = 50  # QwenImagePipeline.__call__ num_inference_steps
     default_guidance = 4.0  # its true_cfg_scale (applies with a negative prompt only)
 
@@ -47,18 +80,85 @@ class QwenImageFamily(PackedLatents, ImageFamily):
         super().__init__(*args, **kwargs)
         self.refuse_guidance_embeds("Qwen-Image")
 
+    def base_pipeline(self) -> tuple[Task, type[Any]]:
+        index, _ = _read_index(self.path)
+        if index is not None and index.get("_class_name") == "QwenImageEditPipeline":
+            return Task.IMAGE_TO_IMAGE, QwenImageEditPipeline  # edits only: its __call__ needs an image
+        return super().base_pipeline()
+
+    def variants(self, base) -> dict[Task, type[Any]]:
+        return {} if isinstance(base, QwenImageEditPipeline) else super().variants(base)
+
     # -- request knobs (request.extra) --------------------------------------------------------
     @staticmethod
     def max_sequence_length(request: ImageRequest) -> int:
         return int(request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
 
+    @staticmethod
+    def target_area(request: ImageRequest) -> int:
+        return int(request.extra.get("target_area", EDIT_AREA))
+
+    @property
+    def edits(self) -> bool:
+        """A QwenImageEditPipeline checkpoint: instruction edits of an input image."""
+        return isinstance(self.pipe, QwenImageEditPipeline)
+
     def validate(self, request: ImageRequest, limits: ImageLimits) -> ImageRequest:
-        request = super().validate(request, limits)
         msl = request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= SEQUENCE_LIMIT:
             raise RequestError("max_sequence_length",
                                f"max_sequence_length must be an integer between 1 and {SEQUENCE_LIMIT}; got {msl!r}")
-        return request
+        area = request.extra.get("target_area", EDIT_AREA)
+        if isinstance(area, bool) or not isinstance(area, int) or not EDIT_ROUND ** 2 <= area <= limits.max_pixels:
+            raise RequestError("target_area", f"target_area must be an integer between {EDIT_ROUND ** 2} and "
+                                              f"{limits.max_pixels}; got {area!r}")
+        context = self.context_size(request)
+        if context is not None:
+            if min(context) < EDIT_ROUND:
+                raise RequestError("image", f"image is {request.image.size[0]}x{request.image.size[1]}: at "
+                                            f"target_area {area} its resized size is {context[0]}x{context[1]}; "
+                                            f"this model needs at least {EDIT_ROUND}x{EDIT_ROUND}",
+                                   code="image_too_small")
+            # as __call__: `height or calculated_height`, `width or calculated_width`, then down to the factor
+            factor = self.size_factor
+            width, height = request.width or context[0], request.height or context[1]
+            request = dataclasses.replace(request, width=width // factor * factor, height=height // factor * factor)
+        return super().validate(request, limits)
+
+    def warm_request(self, width: int, height: int) -> ImageRequest:
+        if not self.edits:
+            return super().warm_request(width, height)
+        # an edit checkpoint makes no text-to-image: a grey input image of the size, resized to about its own area
+        return ImageRequest(prompt="warm-up", task=Task.IMAGE_TO_IMAGE, image=Image.new("RGB", (width, height),
+                            (128, 128, 128)), width=width, height=height, num_inference_steps=1, seed=0,
+                            extra={"target_area": max(width * height, EDIT_ROUND ** 2)})
+
+    def context_size(self, request: ImageRequest) -> tuple[int, int] | None:
+        """(width, height) an edit's input image is resized to (for the text encoder and the VAE alike), as
+        QwenImageEditPipeline's calculate_dimensions; None: no input image."""
+        if not self.edits or request.task is not Task.IMAGE_TO_IMAGE or request.image is None:
+            return None
+        width, height = request.image.size
+        if min(width, height) < 1:
+            return (0, 0)
+        w, h, _ = calculate_dimensions(self.target_area(request), width / height)
+        return int(w), int(h)
+
+    def request_size(self, request: ImageRequest) -> Size:
+        """The context image's tokens ride along as extra 'frames' of the output's size (rounded up), so that memory
+        estimates grow with all the tokens one forward holds (as FLUX.1 Kontext's)."""
+        width, height = request.width or 0, request.height or 0
+        context = self.context_size(request)
+        if context is None or not width * height:
+            return (width, height, 1)
+        return (width, height, 1 + math.ceil(context[0] * context[1] / (width * height)))
+
+    def prompt_image(self, request: ImageRequest) -> PromptImage | None:
+        """The resized input image the text encoder sees (__call__'s `prompt_image`); None without one."""
+        context = self.context_size(request)
+        if context is None:
+            return None
+        return PromptImage.of(self.pipe.image_processor.resize(request.image, context[1], context[0]))
 
     def uses_negative(self, request: ImageRequest) -> bool:
         # diffusers: do_true_cfg = true_cfg_scale > 1 and has_neg_prompt
@@ -70,7 +170,10 @@ class QwenImageFamily(PackedLatents, ImageFamily):
 
     # -- 1. text ----------------------------------------------------------------------------
     def text_options(self, request: ImageRequest) -> dict:
-        return {"max_sequence_length": self.max_sequence_length(request)}
+        options: dict[str, Any] = {"max_sequence_length": self.max_sequence_length(request)}
+        if self.edits:  # the embeddings depend on the image: its digest enters the prompt cache key
+            options["image"] = self.prompt_image(request)
+        return options
 
     def _template_tokens(self, text: str) -> Any:
         pipe = self.pipe  # as _get_qwen_prompt_embeds tokenizes
@@ -78,10 +181,18 @@ class QwenImageFamily(PackedLatents, ImageFamily):
                               max_length=pipe.tokenizer_max_length + pipe.prompt_template_encode_start_idx,
                               padding=True, truncation=True, return_tensors="pt")
 
-    def text_key(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> Hashable:
+    def text_key(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+                 image: PromptImage | None = None) -> Hashable:
+        if image is not None:  # the edit template's tokens before the image's expand; the image is in the key
+            return (tuple(self.pipe.tokenizer(self.pipe.prompt_template_encode.format(text)).input_ids), image.digest)
         return tuple(self._template_tokens(text).input_ids[0].tolist())
 
-    def encode_text(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
+    def encode_text(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+                    image: PromptImage | None = None) -> dict[str, torch.Tensor]:
+        if image is not None:  # QwenImageEditPipeline.encode_prompt: the image through the processor's vision input
+            embeds, mask = self.pipe.encode_prompt(text, image=image.image, device=self.device, num_images_per_prompt=1)
+            assert mask is None  # one prompt: no padding
+            return {"embeds": embeds}
         embeds, mask = self.pipe.encode_prompt(text, self.device, 1, max_sequence_length=max_sequence_length)
         assert mask is None  # one prompt: no padding, encode_prompt drops the all-ones mask
         return {"embeds": embeds}  # [1, L, D]: the template's system part dropped, at most max_sequence_length
@@ -108,9 +219,18 @@ class QwenImageFamily(PackedLatents, ImageFamily):
         h, w = req.height, req.width
         assert h is not None and w is not None  # validate() filled them
 
-        # 2.1 latents: packed noise [n, L, 4C], in the prompt embeddings' dtype
+        # 2.1 latents: packed noise [n, L, 4C], in the prompt embeddings' dtype; an edit's input image resized,
+        # VAE-encoded (the mode: no draw) and packed as context [n, L_image, 4C]
         channels = view.transformer.config.in_channels // 4
-        latents = view.prepare_latents(req.n, channels, h, w, cond["embeds"].dtype, self.device, generator)
+        context, image_latents = self.context_size(req), None
+        if context is None:
+            latents = view.prepare_latents(req.n, channels, h, w, cond["embeds"].dtype, self.device, generator)
+        else:
+            image = view.image_processor.resize(req.image, context[1], context[0])
+            image = view.image_processor.preprocess(image, context[1], context[0]).unsqueeze(2)  # [1, 3, 1, H, W]
+            with self._vae_lock:
+                latents, image_latents = view.prepare_latents(image, req.n, channels, h, w, cond["embeds"].dtype,
+                                                              self.device, generator)
 
         # 2.2 timesteps: flow-matching sigmas, shifted by mu from the image's token count
         steps = req.num_inference_steps
@@ -128,16 +248,19 @@ class QwenImageFamily(PackedLatents, ImageFamily):
                                               sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
         scheduler.set_begin_index(0)
 
-        # 2.3 the RoPE grid of one image: (frames, latent rows / 2, latent columns / 2)
-        grid = (1, h // self.vae_scale_factor // 2, w // self.vae_scale_factor // 2)
+        # 2.3 the RoPE grids: (frames, latent rows / 2, latent columns / 2) of the output, then of the context
+        factor = self.vae_scale_factor * 2
+        grid: tuple[tuple[int, int, int], ...] = ((1, h // factor, w // factor),)  # as h // vae_scale_factor // 2
+        if context is not None:
+            grid += ((1, context[1] // factor, context[0] // factor),)
         item.state.update(scheduler=scheduler, timesteps=timesteps, total=len(timesteps), latents=latents,
-                          grid=grid, decode_extras={"height": h, "width": w})
+                          image_latents=image_latents, grid=grid, decode_extras={"height": h, "width": w})
 
     # -- 3. denoise ------------------------------------------------------------------------
     def denoise_key(self, item: WorkItem) -> Hashable:
         s, cond = item.state, item.inputs["cond"]
-        # img_shapes is one per forward (the grid); the text length and the mask are the request's own, so that
-        # batching never pads (or masks) a request more than it is when alone
+        # img_shapes is one per forward (the grids: the output's, and an edit's context's); the text length and the
+        # mask are the request's own, so that batching never pads (or masks) a request more than it is when alone
         return (s["grid"], tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
                 cond["mask"] is not None)
 
@@ -147,7 +270,8 @@ class QwenImageFamily(PackedLatents, ImageFamily):
         for item in items:
             s, cond = item.state, item.inputs["cond"]
             t = s["timesteps"][s["i"]]
-            x = torch.cat([s["latents"]] * 2) if cond["cfg"] else s["latents"]  # [rows, L, 4C]
+            x = s["latents"] if s["image_latents"] is None else torch.cat([s["latents"], s["image_latents"]], dim=1)
+            x = torch.cat([x] * 2) if cond["cfg"] else x  # [rows, L (+ L_image), 4C]
             hidden.append(x)
             timesteps.append(t.expand(x.shape[0]).to(x.dtype))  # per-sample: items sit at different steps
             embeds.append(cond["embeds"])
@@ -156,9 +280,11 @@ class QwenImageFamily(PackedLatents, ImageFamily):
         batched = {"hidden_states": torch.cat(hidden), "timestep": torch.cat(timesteps) / 1000,
                    "encoder_hidden_states": torch.cat(embeds),
                    "encoder_hidden_states_mask": torch.cat(masks) if masks[0] is not None else None}
-        # one image shape for every row (the grid is in the key); the transformer reads the first entry
-        shared = {"img_shapes": [[items[0].state["grid"]]] * sum(sizes)}
-        return self.denoise("transformer", items, sizes, batched, shared)
+        # one list of image shapes for every row (the grids are in the key); the transformer reads the first entry
+        shared = {"img_shapes": [list(items[0].state["grid"])] * sum(sizes)}
+        out = self.denoise("transformer", items, sizes, batched, shared)
+        # the predictions of the noise tokens only (an edit's context tokens come to nothing)
+        return [o[:, :item.state["latents"].shape[1]] for o, item in zip(out, items, strict=True)]
 
     # -- speed-ups ----------------------------------------------------------------------------
     denoiser_keys = ("transformer",)
