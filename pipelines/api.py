@@ -13,7 +13,7 @@ from typing import Any
 from pipelines.config import EngineConfig, ModelSpec
 from pipelines.engine import Engine
 from pipelines.image_request import ImageLimits, ImageRequest
-from pipelines.served import image_task
+from pipelines.served_diffusion import image_task
 from stages.pool import PoolConfig
 from stages.request_state import RequestHandle
 

@@ -26,22 +26,18 @@ from pipelines.image_request import ImageRequest, ModelNotFound, RequestError
 from pipelines.registry import detect_family, served_class
 from pipelines.replicas import placed_stages
 from pipelines.served import (
-    REALTIME_VIDEO_TASK,
-    REQUESTS,
     SPOKEN_CHAT_TASK,
     Execution,
     LoadContext,
     ModelInfo,
     ServedChat,
-    ServedDiffusion,
     ServedEmbedding,
-    ServedImages,
     ServedModel,
     ServedSpeech,
     ServedTranscription,
     ServedVLM,
-    image_task,
 )
+from pipelines.served_diffusion import REALTIME_VIDEO_TASK, ServedDiffusion, ServedImages, image_task
 from pipelines.tts import SpeechModel, SpeechRequest
 from pipelines.video import VideoRequest
 from pipelines.vlm import VLMChatModel
@@ -62,6 +58,12 @@ __all__ = ["Engine", "ModelInfo", "REALTIME_VIDEO_TASK", "REALTIME_VOICE_TASK", 
 log = logging.getLogger(__name__)
 
 REALTIME_VOICE_TASK = "realtime-voice"  # ModelInfo.tasks of a voice model (WS /v1/realtime)
+
+
+# The request type each kind of served model runs (Engine.submit checks the pair).
+REQUESTS: dict[type, type] = {ImageRequest: ServedImages, VideoRequest: ServedDiffusion, ChatRequest: ServedChat,
+                              EmbeddingRequest: ServedEmbedding, SpeechRequest: ServedSpeech,
+                              TranscriptionRequest: ServedTranscription}
 
 
 class Engine:

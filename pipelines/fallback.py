@@ -28,7 +28,8 @@ from pipelines.families.base import numpy_to_pil
 from pipelines.families.diffusion_base import DTYPES
 from pipelines.image_request import ImageRequest, RequestError, Task
 from pipelines.registry import _read_index, diffusers_pipeline_class
-from pipelines.served import Execution, LoadContext, ModelInfo, ServedImages, chain
+from pipelines.served import Execution, LoadContext, ModelInfo, chain
+from pipelines.served_diffusion import ServedImages
 from stages.events import ErrorKind, EventKind, StageError
 from stages.media.stage import MediaEncodeStage
 from stages.stage import Stage, WorkItem

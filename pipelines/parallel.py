@@ -34,7 +34,7 @@ class FamilyLoader:
 
     def __call__(self) -> Any:
         from encoders.cache import EncoderCache
-        from pipelines.served import load_family
+        from pipelines.served_diffusion import load_family
         from stages.thread_budget import one_thread
 
         with one_thread():

@@ -24,7 +24,7 @@ FAMILIES = {
 DIFFUSERS_FALLBACK = "diffusers"  # the family of a diffusers pipeline class with no native family
 # family name -> "module:Class" of its served model (pipelines/served.py): how the engine loads and runs it.
 SERVED = {
-    **{family: "pipelines.served:ServedDiffusion" for family in FAMILIES},
+    **{family: "pipelines.served_diffusion:ServedDiffusion" for family in FAMILIES},
     "causal-lm": "pipelines.served:ServedChat",
     "embedding": "pipelines.served:ServedEmbedding",
     "clip-embedding": "pipelines.served:ServedEmbedding",

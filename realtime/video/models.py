@@ -15,7 +15,8 @@ from PIL import Image
 
 from pipelines.image_request import ImageRequest, RequestError, Task
 from pipelines.model_default import default_model
-from pipelines.served import REALTIME_VIDEO_TASK, ModelInfo
+from pipelines.served import ModelInfo
+from pipelines.served_diffusion import REALTIME_VIDEO_TASK
 from pipelines.video import VideoRequest
 from realtime.video.protocol import ProtocolError, VideoSettings, parse_size
 
