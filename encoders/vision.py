@@ -31,11 +31,13 @@ ADAPTERS = {
     "Qwen2VLForConditionalGeneration": "encoders.qwen2_vl:Qwen2VLAdapter",
     "Qwen2_5_VLForConditionalGeneration": "encoders.qwen2_vl:Qwen2VLAdapter",
     "Qwen2_5OmniForConditionalGeneration": "encoders.omni:OmniVisionAdapter",
+    "Qwen3OmniMoeForConditionalGeneration": "encoders.omni3:Omni3VisionAdapter",
 }
 # ... and its audio input.
 AUDIO_ADAPTERS = {
     "Qwen2AudioForConditionalGeneration": "encoders.audio:Qwen2AudioAdapter",
     "Qwen2_5OmniForConditionalGeneration": "encoders.omni:OmniAudioAdapter",
+    "Qwen3OmniMoeForConditionalGeneration": "encoders.omni3:Omni3AudioAdapter",
 }
 
 

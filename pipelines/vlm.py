@@ -17,11 +17,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import importlib
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from encoders.audio import AudioAdapter
 from encoders.cache import EncoderCache
@@ -38,10 +39,17 @@ from stages.media.stage import result_of
 from stages.metrics import Metrics
 from stages.vision import AudioEncodeStage, VisionEncodeStage
 
+if TYPE_CHECKING:
+    from pipelines.omni import OmniVoice
+    from pipelines.omni3 import Omni3Voice
+
 VLM_FAMILY = "vlm"
-# Architectures whose chat runs on a part of the checkpoint: Qwen2.5-Omni's thinker (text out).
-LOAD_AS = {"Qwen2_5OmniForConditionalGeneration": "Qwen2_5OmniThinkerForConditionalGeneration"}
-SPEAKING = ("Qwen2_5OmniForConditionalGeneration",)  # ... and whose talker speaks the reply (pipelines/omni.py)
+# Architectures whose chat runs on a part of the checkpoint: Qwen2.5-Omni's and Qwen3-Omni's thinkers (text out).
+LOAD_AS = {"Qwen2_5OmniForConditionalGeneration": "Qwen2_5OmniThinkerForConditionalGeneration",
+           "Qwen3OmniMoeForConditionalGeneration": "Qwen3OmniMoeThinkerForConditionalGeneration"}
+# ... and whose talker speaks the reply: architecture -> "module:Class" of its voice (talker and codec decoder)
+SPEAKING = {"Qwen2_5OmniForConditionalGeneration": "pipelines.omni:OmniVoice",
+            "Qwen3OmniMoeForConditionalGeneration": "pipelines.omni3:Omni3Voice"}
 
 
 class VLMChatModel(LanguageModel):
@@ -80,11 +88,11 @@ class VLMChatModel(LanguageModel):
             raise ValueError(f"no vision or audio adapter for {architecture!r}; supported: "
                              f"{sorted({**ADAPTERS, **AUDIO_ADAPTERS})}")
         self.mrope = next((a for a in self.adapters.values() if a.uses_mrope), None)
-        self.voice = None  # a Qwen2.5-Omni's talker and token2wav: the reply can be spoken
+        self.voice: OmniVoice | Omni3Voice | None = None  # an omni model's talker and codec decoder: it can speak
         if architecture in SPEAKING and getattr(checkpoint, "enable_audio_output", False):
-            from pipelines.omni import OmniVoice
-
-            self.voice = OmniVoice(path, model, device=device, dtype=DTYPES[dtype])
+            module, voice_cls = SPEAKING[architecture].split(":")
+            self.voice = getattr(importlib.import_module(module), voice_cls)(path, model, device=device,
+                                                                              dtype=DTYPES[dtype])
         runner = ModelRunner(path, device=device, dtype=dtype, block_size=config.block_size,
                              kv_cache_mb=config.kv_cache_mb, model=model, decoder=model.model.language_model,
                              mrope=self.mrope is not None)

@@ -45,6 +45,7 @@ from pipelines.demo.embedding import build_clip_model
 from pipelines.demo.hunyuan_video import build_hunyuan_video
 from pipelines.demo.llm import build_chat_model
 from pipelines.demo.omni import build_qwen2_5_omni
+from pipelines.demo.omni3 import build_qwen3_omni
 from pipelines.demo.qwen_image import build_qwen_image, build_qwen_image_edit
 from pipelines.demo.sana import build_sana
 from pipelines.demo.tts import build_speecht5_model, build_vits_model
@@ -61,10 +62,11 @@ SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": 
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
           "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",), "cogvideox": ("tiny",),
           "hunyuan_video": ("tiny",),
-          "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",), "qwen2_audio": ("tiny",), "qwen2_5_omni": ("tiny",)}
+          "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",), "qwen2_audio": ("tiny",), "qwen2_5_omni": ("tiny",),
+          "qwen3_omni": ("tiny",)}
 VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx", "cogvideox", "hunyuan_video")  # text/image-to-video (demo/*.py)
 VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo/vlm.py); qwen2_vl on request
-AUDIO_CHAT_FAMILIES = ("qwen2_audio", "qwen2_5_omni")  # audio-language chat (pipelines/demo/audio_chat.py, omni.py)
+AUDIO_CHAT_FAMILIES = ("qwen2_audio", "qwen2_5_omni", "qwen3_omni")  # audio-language chat (demo/audio_chat.py, omni*)
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
 RECIPE_VERSION = 2  # bump when a builder changes, so existing demo checkpoints are rebuilt
 
@@ -341,7 +343,9 @@ _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _b
              # audio-language chat (pipelines/demo/audio_chat.py): Qwen2-Audio, a 10 s encoder window
              "qwen2_audio": lambda seed, scale: build_qwen2_audio(seed),
              # Qwen2.5-Omni (pipelines/demo/omni.py): thinker, talker, token2wav and its speakers
-             "qwen2_5_omni": lambda seed, scale: build_qwen2_5_omni(seed)}
+             "qwen2_5_omni": lambda seed, scale: build_qwen2_5_omni(seed),
+             # Qwen3-Omni (pipelines/demo/omni3.py): thinker (MoE), talker with code predictor, code2wav
+             "qwen3_omni": lambda seed, scale: build_qwen3_omni(seed)}
 
 
 # Builders that install real weights (converted from an installed package); every other builder's are random.
