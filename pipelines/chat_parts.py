@@ -33,6 +33,14 @@ class VLMConfig:
     max_items_per_forward: int = 32  # media items in one encoder forward
     max_audios: int = 4  # audio parts in one request
     max_audio_s: float = 30.0  # one audio part's length (an audio-language model's encoder window may lower it)
+    # A streamed spoken reply (an omni model's talker): token2wav decodes a first chunk of this many DiT blocks (12
+    # codes, 0.24 s each for Qwen2.5-Omni), each later chunk twice the one before up to the max, each with this many
+    # blocks of context on either side. Fewer context blocks: earlier audio, further from the whole reply's
+    # (docs/omni.md has the measured error of each).
+    speech_chunk_blocks: int = 2
+    speech_max_chunk_blocks: int = 8
+    speech_context_blocks: int = 3
+    max_speech_codes: int = 4096  # a spoken reply's talker stops after this many codes (generate()'s default too)
 
     def __post_init__(self):
         if min(self.max_images, self.max_videos, self.max_audios) < 0 or self.max_video_frames < 1:
@@ -44,6 +52,10 @@ class VLMConfig:
             raise ValueError(f"vlm.default_video_fps must be > 0, got {self.default_video_fps}")
         if self.low_detail_max_pixels < 1 or self.max_items_per_forward < 1:
             raise ValueError("vlm.low_detail_max_pixels and vlm.max_items_per_forward must be >= 1")
+        if min(self.speech_chunk_blocks, self.speech_max_chunk_blocks, self.max_speech_codes) < 1 \
+                or self.speech_context_blocks < 0:
+            raise ValueError("vlm.speech_chunk_blocks, vlm.speech_max_chunk_blocks and vlm.max_speech_codes must be "
+                             ">= 1, vlm.speech_context_blocks >= 0")
 
 
 @dataclass(frozen=True)

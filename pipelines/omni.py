@@ -16,6 +16,7 @@ edge yet).
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,9 +24,12 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from stages.events import EventKind
 from stages.stage import Stage, WorkItem
 
 SAMPLE_RATE = 24000  # token2wav's output
+NOISE_STREAM = 1 << 32  # a streamed reply's token2wav noise is drawn from seed + this (OmniVoice.chunk_noise)
+VOCODER_MARGIN = 16  # mel frames BigVGAN reads past a streamed chunk on either side (its chunks then match to 3e-6)
 # The talker samples and token2wav draws its noise from torch's global generator (transformers passes no
 # generator): each request sets the global state to its own stream, draws, and restores it, holding this lock,
 # so the talker and token2wav workers of different requests never interleave their draws.
@@ -62,6 +66,9 @@ class SpeechOutput:
 
     voice: str
     seed: int
+    # True: the audio goes out in chunks while the talker still speaks (chunked token2wav, its noise from a stream of
+    # its own: `chunk_noise`); False: token2wav runs once on the whole reply, as generate() does (equal to it)
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class TalkerJob:
     speaker: str
     seed: int
     stop: Callable[[], bool] = lambda: False
+    on_code: Callable[[int], None] | None = None  # told each code as it is drawn (a streamed reply's token2wav)
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,10 @@ class OmniVoice:
         self.talker = full.talker.to(device).eval()
         self.token2wav = full.token2wav.to(device).float().eval()  # float32 only (bf16 inputs fail)
         self.speakers: dict[str, dict[str, Any]] = dict(full.speaker_map)
+        dit = self.token2wav.code2wav_dit_model
+        # mel frames a code makes and a DiT block holds; mel channels
+        self.repeats, self.block, self.mel_dim = dit.repeats, dit.block_size, dit.mel_dim
+        self.hop = math.prod(self.token2wav.code2wav_bigvgan_model.config.upsample_rates)  # samples a mel frame
         del full
         self.thinker = thinker
         self.config = thinker.config
@@ -213,10 +225,13 @@ class OmniVoice:
             for row, code in zip(rows, _sample(rows, processors, device)):
                 if code in eos or row.job.stop():
                     results[row.index] = (row.codes, row.state)
-                elif len(row.codes) + 1 >= max_codes:
-                    results[row.index] = (row.codes + [code], row.state)
+                    continue
+                row.codes.append(code)
+                if row.job.on_code is not None:
+                    row.job.on_code(code)
+                if len(row.codes) >= max_codes:
+                    results[row.index] = (row.codes, row.state)
                 else:
-                    row.codes.append(code)
                     talking.append(row)
             rows = talking
             if rows:
@@ -254,10 +269,27 @@ class OmniVoice:
                 layer.keys, layer.values = kept_keys, kept_values
             row.logits = out.logits[b:b + 1, -1].float()
 
+    def reply_noise(self, codes: list[int], state: tuple | int) -> torch.Tensor:
+        """A whole reply's token2wav noise [frames, mel_dim]: its `torch.randn`, drawn where generate() draws it (the
+        talker's stream, continued from `state`)."""
+        with seeded_stream(self.device, state):
+            return torch.randn([1, len(codes) * self.repeats, self.mel_dim], device=self.device)[0]
+
+    def chunk_noise(self, seed: int, start: int, end: int) -> torch.Tensor:
+        """Mel frames [start, end) of a streamed reply's token2wav noise [frames, mel_dim], from a CPU stream of its
+        own (seed + NOISE_STREAM): its first chunks are made before the talker's last draw, so they cannot continue
+        the talker's stream. A CPU normal draw whose size is a multiple of 16 is a prefix of any longer one, so
+        every chunk slices one noise: the one `torch.randn([1, frames, mel_dim])` draws after
+        `torch.manual_seed(seed + NOISE_STREAM)`."""
+        generator = torch.Generator().manual_seed((seed + NOISE_STREAM) % (1 << 64))
+        size = end * self.mel_dim
+        flat = torch.randn(size + -size % 16, generator=generator)
+        return flat[:size].view(end, self.mel_dim)[start:].to(self.device)
+
     @torch.inference_mode()
-    def mels(self, jobs: list[tuple[list[int], str, tuple]]) -> list[torch.Tensor | None]:
-        """Each (codes, speaker, generator state) job's mel [mel_dim, frames] (None for no codes): the DiT's flow
-        matching once for all the jobs whose speakers' reference mels have one shape (`_mels`)."""
+    def mels(self, jobs: list[tuple[list[int], str, torch.Tensor]]) -> list[torch.Tensor | None]:
+        """Each (codes, speaker, initial noise [frames, mel_dim]) job's mel [mel_dim, frames] (None for no codes):
+        the DiT's flow matching once for all the jobs whose speakers' reference mels have one shape (`_mels`)."""
         out: list[torch.Tensor | None] = [None] * len(jobs)
         groups: dict[tuple, list[int]] = {}
         for i, (codes, speaker, _) in enumerate(jobs):
@@ -276,18 +308,14 @@ class OmniVoice:
             return torch.zeros(0)
         return self.token2wav.code2wav_bigvgan_model(mel[None]).reshape(-1).float().cpu()
 
-    def waveforms(self, jobs: list[tuple[list[int], str, tuple]]) -> list[torch.Tensor]:
-        """float32 [samples] at 24 kHz for each job (empty for no codes): token2wav's forward for several jobs."""
-        return [self.vocode(mel) for mel in self.mels(jobs)]
-
-    def _mels(self, jobs: list[tuple[list[int], str, tuple]], num_steps: int = 10, guidance_scale: float = 0.5,
+    def _mels(self, jobs: list[tuple[list[int], str, torch.Tensor]], num_steps: int = 10, guidance_scale: float = 0.5,
               sway_coefficient: float = -1.0) -> list[torch.Tensor]:
-        """token2wav's DiT `sample()` (its defaults) for a batch of jobs: each job's mel [mel_dim, frames].
+        """token2wav's DiT `sample()` (its defaults) for a batch of (codes, speaker, initial noise [frames, mel_dim])
+        jobs: each job's mel [mel_dim, frames].
 
-        The jobs' frames are padded to the longest, each job's noise drawn from its own stream (as token2wav's
-        `torch.randn` would draw it alone), and the DiT's block attention never reaches a padding frame (which
-        sees only itself, so no attention row is empty). A job's mel is then the one it gets alone, up to float
-        rounding (measured 3e-6 on the waveform; alone, equal)."""
+        The jobs' frames are padded to the longest and the DiT's block attention never reaches a padding frame
+        (which sees only itself, so no attention row is empty). A job's mel is then the one it gets alone, up to
+        float rounding (measured 3e-6 on the waveform; alone, equal)."""
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
         dit, device = self.token2wav.code2wav_dit_model, self.device
@@ -298,9 +326,8 @@ class OmniVoice:
                              f"({dit.config.max_position_embeddings})")
         noise = torch.zeros(len(jobs), longest, dit.mel_dim, device=device)
         code = torch.zeros(len(jobs), longest // dit.repeats, dtype=torch.long, device=device)
-        for b, ((codes, _, state), n) in enumerate(zip(jobs, frames)):
-            with seeded_stream(device, state):
-                noise[b, :n] = torch.randn([1, n, dit.mel_dim], device=device)[0]
+        for b, ((codes, _, initial), n) in enumerate(zip(jobs, frames)):
+            noise[b, :n] = initial
             code[b, :len(codes)] = torch.tensor(codes, device=device)
         cond = torch.cat([self.speakers[s]["cond"] for _, s, _ in jobs]).to(device).float()
         cond = cond.unsqueeze(1).repeat(1, longest, 1)
@@ -370,7 +397,8 @@ class _SpeechStage(Stage):
 
 
 class TalkerStage(_SpeechStage):
-    """The thinker's reply (its tokens and kept hidden states) -> codec codes; the llm's outputs pass on."""
+    """The thinker's reply (its tokens and kept hidden states) -> codec codes, each told as a DELTA {"codes"} for a
+    streamed reply; the llm's choices and usage pass on."""
 
     kind = "talker"
 
@@ -383,29 +411,109 @@ class TalkerStage(_SpeechStage):
         for item in items:
             speech: SpeechOutput = item.inputs["speech"]
             choice = item.inputs["choices"][0]
+            told = (lambda code, item=item: item.emit(EventKind.DELTA, codes=[code])) if speech.stream else None
             jobs.append(TalkerJob(list(item.inputs["request"].prompt_ids), choice["token_ids"], choice.pop("hidden"),
-                                  speech.voice, speech.seed, stop=item.request.should_stop))
-        return [{"codes": codes, "rng": state} for codes, state in self.voice.codes(jobs, self.max_codes)]
+                                  speech.voice, speech.seed, stop=item.request.should_stop, on_code=told))
+        return [{"codes": codes, "rng": state, "choices": item.inputs["choices"], "usage": item.inputs["usage"]}
+                for item, (codes, state) in zip(items, self.voice.codes(jobs, self.max_codes))]
+
+
+class CodeWindows:
+    """A streamed reply's cut of its talker's codes into token2wav windows: a first chunk of `chunk` codes, each
+    later one twice the one before up to `max_chunk` (the first comes early; the later ones spend less of the DiT on
+    context), each with up to `context` codes of context on either side (whole DiT blocks, so a window's blocks
+    line up with the whole reply's). A chunk is cut once its right context is drawn, or when the talker is done."""
+
+    def __init__(self, chunk: int, context: int, max_chunk: int):
+        self.chunk, self.context, self.max_chunk = chunk, context, max(chunk, max_chunk)
+        self.codes: list[int] = []
+        self.start = 0  # the next chunk's first code
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        self.codes += delta["codes"]
+        return self._cut(done=False)
+
+    def flush(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        self.codes = list(outputs["codes"])
+        return self._cut(done=True)
+
+    def _cut(self, done: bool) -> list[dict[str, Any]]:
+        pieces, n = [], len(self.codes)
+        while self.start < n and (done or self.start + self.chunk + self.context <= n):
+            end = min(n, self.start + self.chunk)
+            first, last = max(0, self.start - self.context), min(n, end + self.context)
+            pieces.append({"window": self.codes[first:last], "offset": first, "core": (self.start, end)})
+            self.start, self.chunk = end, min(2 * self.chunk, self.max_chunk)
+        return pieces
 
 
 class Token2WavStage(_SpeechStage):
-    """Codes -> mel (token2wav's DiT, a batch's jobs in one flow-matching call), with the talker's generator stream
-    continued for the noise."""
+    """Codes -> mel, token2wav's DiT for a batch's jobs in one flow-matching call. A whole reply (after its talker)
+    continues the talker's generator stream for its noise; a streamed reply's window (a piece: `CodeWindows`) slices
+    its noise from a stream of its own and hands on the mel of its chunk plus the vocoder's margin, as a DELTA."""
 
     kind = "token2wav"
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        mels = self.voice.mels([(item.inputs["codes"], item.inputs["speech"].voice, item.inputs["rng"])
-                                for item in items])
-        return [{"choices": item.inputs["choices"], "usage": item.inputs["usage"], "mel": mel}
-                for item, mel in zip(items, mels)]
+        voice, jobs = self.voice, []
+        for item in items:
+            speech: SpeechOutput = item.inputs["speech"]
+            if item.piece is None:
+                codes = item.inputs["codes"]
+                jobs.append((codes, speech.voice, voice.reply_noise(codes, item.inputs["rng"])))
+            else:
+                codes, first = item.inputs["window"], item.inputs["offset"] * voice.repeats
+                jobs.append((codes, speech.voice, voice.chunk_noise(speech.seed, first, first + len(codes) *
+                                                                    voice.repeats)))
+        outputs = []
+        for item, mel in zip(items, voice.mels(jobs)):
+            if item.piece is None:
+                outputs.append({"choices": item.inputs["choices"], "usage": item.inputs["usage"], "mel": mel})
+                continue
+            assert mel is not None  # a window has codes
+            first = item.inputs["offset"] * voice.repeats
+            start, end = (code * voice.repeats for code in item.inputs["core"])
+            lo, hi = max(start - VOCODER_MARGIN, first), min(end + VOCODER_MARGIN, first + mel.shape[1])
+            piece = {"mel": mel[:, lo - first:hi - first], "cut": (start - lo, end - lo)}
+            item.emit(EventKind.DELTA, **piece)
+            outputs.append(piece)
+        return outputs
 
 
 class VocoderStage(_SpeechStage):
-    """Mel -> a 24 kHz waveform (token2wav's BigVGAN), one job a call; on a CPU two replicas work side by side."""
+    """Mel -> a 24 kHz waveform (token2wav's BigVGAN), one job a call; on a CPU two replicas work side by side. A
+    streamed reply's piece vocodes its chunk with the margin and keeps the chunk's samples, told as a DELTA
+    {"audio", "sample_rate"}."""
 
     kind = "vocoder"
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        return [{"choices": item.inputs["choices"], "usage": item.inputs["usage"],
-                 "audio": self.voice.vocode(item.inputs["mel"]), "sample_rate": SAMPLE_RATE} for item in items]
+        outputs = []
+        for item in items:
+            audio = self.voice.vocode(item.inputs["mel"])
+            if item.piece is None:
+                outputs.append({"choices": item.inputs["choices"], "usage": item.inputs["usage"], "audio": audio,
+                                "sample_rate": SAMPLE_RATE})
+                continue
+            start, end = (frame * self.voice.hop for frame in item.inputs["cut"])
+            item.emit(EventKind.DELTA, audio=audio[start:end], sample_rate=SAMPLE_RATE)
+            outputs.append({"audio": audio[start:end]})
+        return outputs
+
+
+class OneEach:
+    """A streaming edge's splitter that makes each delta of its source one piece (the vocoder's, from token2wav)."""
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        return [delta]
+
+    def flush(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        return []
+
+
+def streamed_reply(outputs: dict[str, Any]) -> dict[str, Any]:
+    """A streamed spoken request's outputs (its vocoder's pieces, token2wav's, the talker's) as a whole one's:
+    choices, usage, the chunks' audio joined, the sample rate."""
+    talker = outputs["token2wav"]["talker"]
+    audio = torch.cat([torch.zeros(0), *(piece["audio"] for piece in outputs["pieces"])])
+    return {"choices": talker["choices"], "usage": talker["usage"], "audio": audio, "sample_rate": SAMPLE_RATE}

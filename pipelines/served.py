@@ -23,10 +23,21 @@ from pipelines.chat_parts import ParsedChat
 from pipelines.config import MediaConfig, ModelSpec
 from pipelines.embeddings import EMBED_POOL, EmbeddingModel, EmbeddingRequest
 from pipelines.image_request import MAX_LORAS, ImageLimits, RequestError
-from pipelines.omni import TalkerStage, Token2WavStage, VocoderStage, not_speaking
+from pipelines.omni import (
+    CodeWindows,
+    OmniVoice,
+    OneEach,
+    SpeechOutput,
+    TalkerStage,
+    Token2WavStage,
+    VocoderStage,
+    not_speaking,
+    streamed_reply,
+)
+from pipelines.omni3 import CODE2WAV_POOL, Code2WavStage, Omni3Voice, Talker3Stage
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.vlm import VLM_FAMILY, DecodeChatMedia, VLMChatModel, decode_chat_media
-from stages.graph import Node, StageGraph
+from stages.graph import Node, StageGraph, Stream
 from stages.llm.params import SamplingParams
 from stages.lora import LoraSlots
 from stages.media.stage import MediaDecodeStage
@@ -176,6 +187,7 @@ class ServedVLM(ServedChat):
         kinds = (["vision-chat"] if "image" in model.accepts else []) + (["audio-chat"] if "audio" in model.accepts
                                                                             else [])
         kinds += [SPOKEN_CHAT_TASK] if model.voice is not None else []
+        self.speech_vlm = spec.vlm  # a streamed spoken reply's token2wav chunks
         self.info = dataclasses.replace(self.info, tasks=("chat", *kinds),
                                         voices=model.voice.voices if model.voice is not None else ())
 
@@ -191,9 +203,12 @@ class ServedVLM(ServedChat):
         assert isinstance(model, VLMChatModel)
         decode = MediaDecodeStage(self.name, self.ctx.media, decode_chat_media(model, self.ctx.media_config),
                                   self.finalize)
-        speech = ()
-        if model.voice is not None:
-            speech = (("talker", TalkerStage(self.name, model.voice), None),
+        speech: tuple = ()
+        if isinstance(model.voice, Omni3Voice):  # Qwen3-Omni: talker (+ code predictor) -> code2wav
+            speech = (("talker", Talker3Stage(self.name, model.voice, self.speech_vlm.max_speech_codes), None),
+                      ("code2wav", Code2WavStage(self.name, model.voice), CODE2WAV_POOL))
+        elif model.voice is not None:
+            speech = (("talker", TalkerStage(self.name, model.voice, self.speech_vlm.max_speech_codes), None),
                       ("token2wav", Token2WavStage(self.name, model.voice), None),
                       ("vocoder", VocoderStage(self.name, model.voice), None))
         return (("media_decode", decode, self.ctx.media_pool),
@@ -213,21 +228,38 @@ class ServedVLM(ServedChat):
                                f"{list(model.voice.voices)}")
         if request.params.n != 1:
             raise RequestError("n", "a spoken reply is one choice (n = 1)")
+        if request.speech.stream and isinstance(model.voice, Omni3Voice):
+            raise RequestError("stream", f"model {self.name} speaks a whole reply only (Qwen3-Omni's audio is not "
+                               "streamed yet); ask without stream")
 
     def execution(self, request: ChatRequest) -> Execution:
         self.check_speech(request)
         generation = self.model.generation_request(request)
         if request.speech is None:
             return Execution(chain(self.name, "llm"), {"request": generation})
-        nodes = (Node("llm", f"{self.name}/llm"), *self._speech_nodes(()))
-        return Execution(StageGraph(nodes, "vocoder"), {"request": generation, "speech": request.speech})
+        return Execution(self._spoken((Node("llm", f"{self.name}/llm"),), (), request.speech),
+                         {"request": generation, "speech": request.speech})
 
-    def _speech_nodes(self, before: tuple[str, ...]) -> tuple[Node, ...]:
-        """The talker after the thinker's reply (and the node that planned the prompt's media), token2wav's DiT and
-        vocoder after it."""
-        return (Node("talker", f"{self.name}/talker", (*before, "llm")),
-                Node("token2wav", f"{self.name}/token2wav", ("llm", "talker")),
-                Node("vocoder", f"{self.name}/vocoder", ("token2wav",)))
+    def _spoken(self, nodes: tuple[Node, ...], before: tuple[str, ...], speech: SpeechOutput) -> StageGraph:
+        """`nodes` (up to the thinker's llm), then the talker after the thinker's reply (and `before`, the node that
+        planned the prompt's media); then token2wav's DiT and the vocoder, after it for a whole reply, or streamed
+        from it chunk by chunk."""
+        talker = Node("talker", f"{self.name}/talker", (*before, "llm"))
+        model = self.model
+        assert isinstance(model, VLMChatModel)
+        if isinstance(model.voice, Omni3Voice):  # (check_speech refused a stream)
+            return StageGraph((*nodes, talker, Node("code2wav", f"{self.name}/code2wav", ("talker",))), "code2wav")
+        if not speech.stream:
+            return StageGraph((*nodes, talker, Node("token2wav", f"{self.name}/token2wav", ("llm", "talker")),
+                               Node("vocoder", f"{self.name}/vocoder", ("token2wav",))), "vocoder")
+        assert isinstance(model.voice, OmniVoice)
+        block = model.voice.block // model.voice.repeats  # codes a DiT block
+        vlm = self.speech_vlm
+        chunk, most = block * vlm.speech_chunk_blocks, block * vlm.speech_max_chunk_blocks
+        windows = Stream("talker", lambda: CodeWindows(chunk, block * vlm.speech_context_blocks, most))
+        return StageGraph((*nodes, talker, Node("token2wav", f"{self.name}/token2wav", stream=windows),
+                           Node("vocoder", f"{self.name}/vocoder", stream=Stream("token2wav", OneEach))), "vocoder",
+                          finish=streamed_reply)
 
     def execution_with_media(self, request: ChatRequest, parsed: ParsedChat, sources: list[bytes]) -> Execution:
         """A request with media parts, its sources fetched: media_decode -> the encoders its parts need
@@ -244,8 +276,9 @@ class ServedVLM(ServedChat):
         inputs = {"request": request, "decode": DecodeChatMedia(parsed, tuple(sources))}
         if request.speech is None:
             return Execution(StageGraph(nodes, "llm"), inputs)
-        return Execution(StageGraph((*nodes, *self._speech_nodes(("media_decode",))), "vocoder"),
-                         {**inputs, "speech": request.speech})
+        # Qwen3-Omni's talker recomputes the thinker's states at the media placeholders: it reads their features too
+        before = ("media_decode", *encoders) if isinstance(model.voice, Omni3Voice) else ("media_decode",)
+        return Execution(self._spoken(nodes, before, request.speech), {**inputs, "speech": request.speech})
 
     def finalize(self, request: ChatRequest, decoded) -> dict[str, Any]:
         """The prompt with every placeholder expanded, checked against the context (media_decode calls it), and

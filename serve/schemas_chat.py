@@ -151,7 +151,8 @@ class ChatCompletionRequest(SamplingFields):
         if self.stream and audio.get("format", "wav") != "pcm16":
             raise RequestError("audio.format", "a streamed spoken reply is pcm16 (24 kHz, 16-bit, mono), as OpenAI "
                                f"streams it; got {audio.get('format', 'wav')!r}")
-        return SpeechOutput(audio["voice"], self.seed if self.seed is not None else secrets.randbits(31))
+        return SpeechOutput(audio["voice"], self.seed if self.seed is not None else secrets.randbits(31),
+                            stream=bool(self.stream))
 
     @property
     def audio_format(self) -> str:
@@ -396,10 +397,9 @@ class CompletionReply(TextReply):
 
 class SpokenChatReply(ChatReply):
     """A streamed spoken reply in OpenAI's shape: the words as `delta.audio.transcript` pieces while the thinker
-    writes, then the audio as `delta.audio.data` pieces of pcm16 (24 kHz mono), `AUDIO_CHUNK_S` seconds each,
-    which concatenate to the whole; then the finish chunk (and usage when asked)."""
-
-    AUDIO_CHUNK_S = 0.5
+    writes, and the audio as `delta.audio.data` pieces of pcm16 (24 kHz mono), each a chunk token2wav made while the
+    talker was still speaking (pipelines/omni.py, `SpeechOutput.stream`); then the finish chunk (and usage when
+    asked). The pieces concatenate to the reply's waveform."""
 
     def __init__(self, *args, audio_id: str, expires_at: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -407,19 +407,15 @@ class SpokenChatReply(ChatReply):
         self.expires_at = expires_at
 
     def delta(self, data: dict[str, Any]) -> dict[str, Any] | None:
-        if not data["text"]:
+        if "audio" in data:  # the vocoder's chunk
+            import base64
+
+            import numpy as np
+
+            pcm = (np.clip(data["audio"].numpy(), -1, 1) * 32767).astype("<i2").tobytes()
+            audio = {"id": self.audio_id, "data": base64.b64encode(pcm).decode(), "expires_at": self.expires_at}
+            return self._chunk([{"index": 0, "delta": {"audio": audio}, "logprobs": None, "finish_reason": None}])
+        if not data.get("text"):  # the talker's codes and token2wav's mels are the graph's own
             return None
         return self._chunk([{"index": data["index"], "delta": {"audio": {"transcript": data["text"]}},
                              "logprobs": None, "finish_reason": None}])
-
-    def closing(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
-        import base64
-
-        import numpy as np
-
-        pcm = (np.clip(outputs["audio"].numpy(), -1, 1) * 32767).astype("<i2").tobytes()
-        step = int(self.AUDIO_CHUNK_S * outputs["sample_rate"]) * 2
-        pieces = [{"index": 0, "delta": {"audio": {"id": self.audio_id, "data": base64.b64encode(pcm[i:i + step])
-                                                   .decode(), "expires_at": self.expires_at}},
-                   "logprobs": None, "finish_reason": None} for i in range(0, len(pcm), step)]
-        return [self._chunk([piece]) for piece in pieces] + super().closing(outputs)

@@ -190,9 +190,6 @@ class GraphExecutor:
             self._stream_done(run, stream)
             return
         self._node_done(run, item.node, outputs)
-        for node in run.graph.streamed_from(item.node):
-            self._cut(run, node.name, lambda stream: stream.flush(outputs))
-            self._stream_done(run, run.streams[node.name])
 
     def _stream_done(self, run: _Run, stream: StreamedNode) -> None:
         assert stream.node.stream is not None
@@ -208,12 +205,21 @@ class GraphExecutor:
         with self._lock:
             run.done.add(name)
         if name == run.graph.output:
+            if run.graph.finish is not None:
+                try:
+                    outputs = run.graph.finish(outputs)
+                except Exception as exc:  # a bug in the graph's own code: the request fails, the thread goes on
+                    self._fail(state, StageError("internal_error", f"{type(exc).__name__}: {exc}"))
+                    return
             if state.emit(EventKind.FINAL, stage=name, outputs=outputs):
                 self.metrics.stage.graph_requests.labels(model=state.model, outcome="ok").inc()
             return
         if run.graph.node(name).publish:
             state.emit(EventKind.OUTPUTS, stage=name, outputs=outputs)
         self._dispatch(run)
+        for node in run.graph.streamed_from(name):  # its streams end: their last pieces (a chain of streams too)
+            self._cut(run, node.name, lambda stream: stream.flush(outputs))
+            self._stream_done(run, run.streams[node.name])
 
     def _fail(self, state: RequestState, error: StageError) -> None:
         if state.fail(error):

@@ -53,6 +53,8 @@ class Node:
 class StageGraph:
     nodes: tuple[Node, ...]
     output: str  # the node whose outputs end the request
+    # the request's outputs made from the output node's (a streamed output node's pieces joined); None: those
+    finish: Callable[[dict[str, Any]], dict[str, Any]] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [n.name for n in self.nodes]

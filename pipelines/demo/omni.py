@@ -107,7 +107,9 @@ def _liven_token2wav(token2wav) -> None:
         token2wav.code2wav_bigvgan_model.conv_post.weight.mul_(1 / 64)
 
 
-def build_qwen2_5_omni(seed: int = 0) -> OmniCheckpoint:
+def build_qwen2_5_omni(seed: int = 0, codec_vocab: int = CODEC_VOCAB) -> OmniCheckpoint:
+    """The demo checkpoint. A larger `codec_vocab` makes the random talker's end code rarer in its top-40, so its
+    replies run longer (streamed-audio tests and the benchmark use one)."""
     from transformers import (
         Qwen2_5OmniConfig,
         Qwen2_5OmniForConditionalGeneration,
@@ -138,14 +140,14 @@ def build_qwen2_5_omni(seed: int = 0) -> OmniCheckpoint:
                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
                                 tie_word_embeddings=False)
     thinker = dict(audio_config=audio, vision_config=vision, text_config=text, **media)
-    talker = dict(vocab_size=CODEC_VOCAB, embedding_size=hidden, hidden_size=32, num_hidden_layers=2,
+    talker = dict(vocab_size=codec_vocab, embedding_size=hidden, hidden_size=32, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
                   max_position_embeddings=4096,
                   rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1000000.0},
                   spatial_merge_size=2, **{f"{k}_token_id": ids[k] for k in TTS_TOKENS}, **CODEC, **media)
     # ECAPA: enc_channels[-1] = sum(enc_channels[1:-1]) (the aggregated SE-Res2Net outputs)
     dit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, ff_mult=2, emb_dim=32,
-               block_size=24, look_ahead_layers=[1], look_backward_layers=[0], repeats=2, num_embeds=CODEC_VOCAB,
+               block_size=24, look_ahead_layers=[1], look_backward_layers=[0], repeats=2, num_embeds=codec_vocab,
                mel_dim=80, enc_emb_dim=32, enc_dim=32, enc_channels=[32, 32, 32, 64], enc_kernel_sizes=[5, 3, 3, 1],
                enc_dilations=[1, 2, 3, 1], enc_attention_channels=16, enc_res2net_scale=2, enc_se_channels=16)
     bigvgan = dict(mel_dim=80, upsample_initial_channel=64, resblock_kernel_sizes=[3, 7],
