@@ -1,17 +1,15 @@
-"""Qwen2.5-Omni's speech half: the talker (codec tokens from the thinker's states) and token2wav (a flow-matching
-DiT to mel, BigVGAN to 24 kHz audio), as the `talker`, `token2wav` (the DiT) and `vocoder` (BigVGAN) stages after
-the thinker's llm node.
+"""Qwen2.5-Omni's speech half after the thinker's llm node: the talker (codec codes from the thinker's states,
+pipelines/omni_talker.py), token2wav's DiT (codes to mel, the `token2wav` stage) and its BigVGAN (mel to 24 kHz
+audio, the `vocoder` stage).
 
-The thinker (the llm stage over the paged runner) keeps its last hidden state at every prompt and fed reply token
-(GenerationRequest.keep_hidden). The talker reads, per position, that state plus the token's input embedding
-(zero at media placeholders), as `Qwen2_5OmniForConditionalGeneration.generate` builds it; it samples codes
-with a generator stream seeded from the request's seed, then token2wav draws its noise from the same stream, so
-one seed gives transformers' `generate()` audio after `torch.manual_seed(seed)` (docs/omni.md).
+The talker samples codes with a generator stream seeded from the request's seed. For a whole reply token2wav then
+draws its noise from the same stream, so one seed gives transformers' `generate()` audio after
+`torch.manual_seed(seed)` (docs/omni.md). A streamed reply's token2wav decodes windows of codes while the talker
+still speaks (`CodeWindows`), its noise sliced from a stream of its own (`OmniVoice.chunk_noise`), and the vocoder
+makes each chunk's audio as its mel comes.
 
-The talker runs its items one after another inside a batch (each request's talker prompt and code count are its
-own, and its sampling holds the global generator); token2wav's DiT runs a batch's jobs in one call; the vocoder
-one job a call, its replicas side by side. The talker starts once the thinker's reply is complete (no streaming
-edge yet).
+token2wav's DiT runs a batch's jobs (whole replies and windows of any replies) in one call; the vocoder one job a
+call, its replicas side by side.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Hashable
 
 import torch
 
@@ -71,69 +69,6 @@ class SpeechOutput:
     stream: bool = False
 
 
-@dataclass(frozen=True)
-class TalkerJob:
-    """One reply for the talker: the thinker's prompt and reply token ids, its kept hidden states [prompt + fed
-    reply, H], the speaker, the seed, and `stop()` (true once cancelled)."""
-
-    prompt_ids: list[int]
-    reply_ids: list[int]
-    hidden: torch.Tensor
-    speaker: str
-    seed: int
-    stop: Callable[[], bool] = lambda: False
-    on_code: Callable[[int], None] | None = None  # told each code as it is drawn (a streamed reply's token2wav)
-
-
-@dataclass(frozen=True)
-class TalkerPrompt:
-    input_ids: list[int]  # codec ids of the prompt (mask per thinker position, then pad and bos): penalized ids
-    inputs_embeds: torch.Tensor  # [1, positions, H]
-    reply_part: torch.Tensor  # [steps, H]: what each later step adds to its code's embedding (the last repeats)
-
-
-class _TalkerRow:
-    """A reply being spoken: its own cache (unpadded), codes, sequence (for the repetition penalty) and generator
-    state."""
-
-    def __init__(self, index: int, job: TalkerJob, input_ids: list[int], reply_part: torch.Tensor, cache,
-                 logits: torch.Tensor, seed: int):
-        self.index, self.job, self.cache, self.logits = index, job, cache, logits
-        self.sequence = list(input_ids)  # the talker's whole sequence so far (prompt ids, then codes)
-        self.reply_part = reply_part
-        self.codes: list[int] = []
-        self.state: tuple | int = seed
-
-    @property
-    def length(self) -> int:  # positions in its cache
-        return self.cache.layers[0].keys.shape[2]
-
-    def next_reply(self) -> torch.Tensor:
-        return self.reply_part[min(len(self.codes) - 1, len(self.reply_part) - 1)]
-
-    def draw(self, probs: torch.Tensor, device: torch.device) -> int:
-        """A code drawn from `probs` [1, V] with this row's stream, as generate()'s multinomial draws alone."""
-        with seeded_stream(device, self.state) as reached:
-            code = int(torch.multinomial(probs, num_samples=1)[0, 0])
-            self.state = reached()
-        self.sequence.append(code)
-        return code
-
-
-def _sample(rows: list[_TalkerRow], processors: tuple, device: torch.device) -> list[int]:
-    """generate()'s sampling of each row's next code: its processors and warpers over all rows at once (each row's
-    sequence padded with its own first id, which the repetition penalty then counts no more than once), then one
-    draw per row from the row's own stream."""
-    longest = max(len(row.sequence) for row in rows)
-    ids = torch.tensor([row.sequence + row.sequence[:1] * (longest - len(row.sequence)) for row in rows],
-                       device=device)
-    scores = torch.cat([row.logits for row in rows])
-    for process in processors:
-        scores = process(ids, scores)
-    probs = torch.softmax(scores, dim=-1)
-    return [row.draw(probs[b:b + 1], device) for b, row in enumerate(rows)]
-
-
 class OmniVoice:
     """The talker, token2wav and speakers of a Qwen2.5-Omni checkpoint, beside a thinker loaded elsewhere (whose
     input embeddings the talker reads)."""
@@ -160,114 +95,6 @@ class OmniVoice:
     @property
     def voices(self) -> tuple[str, ...]:
         return tuple(self.speakers)
-
-    def talker_prompt(self, job: TalkerJob) -> TalkerPrompt:
-        """What `generate()` hands the talker for one reply: per prompt position the thinker's input embedding (zero
-        at media placeholders) plus its last hidden state, the speaker's bos embedding and the first reply token's
-        sum; the rest of the reply (then text-end, then text-pad for ever) is added to the codes step by step."""
-        embed = self.thinker.get_input_embeddings()
-        talker = self.talker
-        ids = torch.tensor(job.prompt_ids + job.reply_ids[:-1], dtype=torch.long, device=embed.weight.device)
-        tokens = embed(ids).float()
-        media = {self.config.audio_token_id, self.config.image_token_id, self.config.video_token_id}
-        tokens[:len(job.prompt_ids)][torch.tensor([t in media for t in job.prompt_ids])] = 0  # media rows: zeroed
-        states = job.hidden.to(tokens) + tokens  # [prompt + fed reply, H]
-        n = len(job.prompt_ids)
-        spk = self.speakers[job.speaker]
-
-        def embedded(token: int) -> torch.Tensor:
-            return embed(torch.tensor([token], device=embed.weight.device)).float()
-
-        reply = states[n:]
-        inputs_embeds = torch.cat([states[:n], embedded(spk["bos_token"]), reply[:1]])[None].to(self.device)
-        reply_part = torch.cat([reply[1:], embedded(talker.text_eos_token), embedded(talker.text_pad_token)])
-        input_ids = [talker.codec_mask_token] * n + [talker.codec_pad_token, talker.codec_bos_token]
-        return TalkerPrompt(input_ids, inputs_embeds.to(talker.dtype), reply_part.to(self.device, talker.dtype))
-
-    @torch.inference_mode()
-    def codes(self, jobs: list[TalkerJob], max_codes: int) -> list[tuple[list[int], tuple | int]]:
-        """Each reply's codes and the generator state after them (token2wav continues the stream), the talker's
-        steps batched across the replies.
-
-        Sampling is `generate()`'s (repetition penalty 1.05 over the whole sequence, the start token suppressed,
-        temperature 0.9, top-k 40, top-p 0.8), each reply drawing from its own stream seeded with its seed, as
-        `generate()` after `torch.manual_seed(seed)` draws alone. The talker sees what `generate()` hands its
-        forward: no attention mask, so plain 1-D positions (its 3-D rope index is never computed) and no codec
-        pad / bos embeddings added to the prompt (docs/omni.md). Each reply's prompt is prefilled alone; then one
-        forward a step serves every reply still talking: their caches left-padded to one length under an
-        attention mask, each row at its own position. A reply ends at the codec's end or pad code, at
-        `max_codes`, or when its `stop()` says so (cancelled or timed out)."""
-        from transformers import DynamicCache
-        from transformers.generation.logits_process import (
-            RepetitionPenaltyLogitsProcessor,
-            SuppressTokensLogitsProcessor,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        talker, device = self.talker, self.device
-        eos = (talker.codec_pad_token, talker.codec_eos_token)
-        processors = (RepetitionPenaltyLogitsProcessor(1.05),
-                      SuppressTokensLogitsProcessor([talker.codec_bos_token], device=str(device)),
-                      TemperatureLogitsWarper(0.9), TopKLogitsWarper(40), TopPLogitsWarper(0.8))  # generate()'s order
-        results: list[tuple[list[int], tuple | int]] = [([], ()) for _ in jobs]
-        rows: list[_TalkerRow] = []
-        for i, job in enumerate(jobs):
-            if len(job.reply_ids) < 2:  # one sampled token: nothing was fed back, nothing to say
-                continue
-            prompt = self.talker_prompt(job)
-            out = talker(inputs_embeds=prompt.inputs_embeds, cache=DynamicCache(), use_cache=True)
-            rows.append(_TalkerRow(i, job, prompt.input_ids, prompt.reply_part, out.cache, out.logits[:, -1].float(),
-                                   job.seed))
-        while rows:
-            talking = []
-            for row, code in zip(rows, _sample(rows, processors, device)):
-                if code in eos or row.job.stop():
-                    results[row.index] = (row.codes, row.state)
-                    continue
-                row.codes.append(code)
-                if row.job.on_code is not None:
-                    row.job.on_code(code)
-                if len(row.codes) >= max_codes:
-                    results[row.index] = (row.codes, row.state)
-                else:
-                    talking.append(row)
-            rows = talking
-            if rows:
-                self._talker_step(rows)
-        return results
-
-    def _talker_step(self, rows: list[_TalkerRow]) -> None:
-        """One forward for every row still talking: its last code (plus its next reply embedding) at its own
-        position, over the rows' caches left-padded to one length."""
-        from transformers import DynamicCache
-
-        talker, device = self.talker, self.device
-        longest = max(row.length for row in rows)
-        cache = DynamicCache()
-        for layer in range(len(rows[0].cache.layers)):
-            keys, values = [], []
-            for row in rows:
-                k, v = row.cache.layers[layer].keys, row.cache.layers[layer].values
-                pad = longest - row.length
-                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            cache.update(torch.cat(keys), torch.cat(values), layer)
-        mask = torch.zeros(len(rows), longest + 1, dtype=torch.long, device=device)
-        for b, row in enumerate(rows):
-            mask[b, longest - row.length:] = 1
-        codes = torch.tensor([[row.codes[-1]] for row in rows], device=device)
-        embeds = talker.get_input_embeddings()(codes) + torch.stack([row.next_reply() for row in rows])[:, None]
-        positions = torch.tensor([[row.length] for row in rows], device=device)
-        out = talker(inputs_embeds=embeds, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
-                     cache=cache, use_cache=True)
-        for b, row in enumerate(rows):
-            pad = longest - row.length
-            for layer, kept in zip(row.cache.layers, out.cache.layers):
-                kept_keys, kept_values = kept.keys[b:b + 1, :, pad:], kept.values[b:b + 1, :, pad:]
-                layer.keys, layer.values = kept_keys, kept_values
-            row.logits = out.logits[b:b + 1, -1].float()
 
     def reply_noise(self, codes: list[int], state: tuple | int) -> torch.Tensor:
         """A whole reply's token2wav noise [frames, mel_dim]: its `torch.randn`, drawn where generate() draws it (the
@@ -396,28 +223,6 @@ class _SpeechStage(Stage):
         return self.model
 
 
-class TalkerStage(_SpeechStage):
-    """The thinker's reply (its tokens and kept hidden states) -> codec codes, each told as a DELTA {"codes"} for a
-    streamed reply; the llm's choices and usage pass on."""
-
-    kind = "talker"
-
-    def __init__(self, model: str, voice: OmniVoice, max_codes: int = 4096):
-        super().__init__(model, voice)
-        self.max_codes = max_codes
-
-    def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        jobs = []
-        for item in items:
-            speech: SpeechOutput = item.inputs["speech"]
-            choice = item.inputs["choices"][0]
-            told = (lambda code, item=item: item.emit(EventKind.DELTA, codes=[code])) if speech.stream else None
-            jobs.append(TalkerJob(list(item.inputs["request"].prompt_ids), choice["token_ids"], choice.pop("hidden"),
-                                  speech.voice, speech.seed, stop=item.request.should_stop, on_code=told))
-        return [{"codes": codes, "rng": state, "choices": item.inputs["choices"], "usage": item.inputs["usage"]}
-                for item, (codes, state) in zip(items, self.voice.codes(jobs, self.max_codes))]
-
-
 class CodeWindows:
     """A streamed reply's cut of its talker's codes into token2wav windows: a first chunk of `chunk` codes, each
     later one twice the one before up to `max_chunk` (the first comes early; the later ones spend less of the DiT on
@@ -434,8 +239,7 @@ class CodeWindows:
         return self._cut(done=False)
 
     def flush(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
-        self.codes = list(outputs["codes"])
-        return self._cut(done=True)
+        return self._cut(done=True)  # every code came as a delta
 
     def _cut(self, done: bool) -> list[dict[str, Any]]:
         pieces, n = [], len(self.codes)
@@ -514,6 +318,6 @@ class OneEach:
 def streamed_reply(outputs: dict[str, Any]) -> dict[str, Any]:
     """A streamed spoken request's outputs (its vocoder's pieces, token2wav's, the talker's) as a whole one's:
     choices, usage, the chunks' audio joined, the sample rate."""
-    talker = outputs["token2wav"]["talker"]
+    thinker = outputs["token2wav"]["talker"]["llm"]
     audio = torch.cat([torch.zeros(0), *(piece["audio"] for piece in outputs["pieces"])])
-    return {"choices": talker["choices"], "usage": talker["usage"], "audio": audio, "sample_rate": SAMPLE_RATE}
+    return {"choices": thinker["choices"], "usage": thinker["usage"], "audio": audio, "sample_rate": SAMPLE_RATE}

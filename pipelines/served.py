@@ -28,13 +28,13 @@ from pipelines.omni import (
     OmniVoice,
     OneEach,
     SpeechOutput,
-    TalkerStage,
     Token2WavStage,
     VocoderStage,
     not_speaking,
     streamed_reply,
 )
 from pipelines.omni3 import CODE2WAV_POOL, Code2WavStage, Omni3Voice, Talker3Stage
+from pipelines.omni_talker import TalkerStage, talked
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.vlm import VLM_FAMILY, DecodeChatMedia, VLMChatModel, decode_chat_media
 from stages.graph import Node, StageGraph, Stream
@@ -188,6 +188,8 @@ class ServedVLM(ServedChat):
                                                                             else [])
         kinds += [SPOKEN_CHAT_TASK] if model.voice is not None else []
         self.speech_vlm = spec.vlm  # a streamed spoken reply's token2wav chunks
+        if isinstance(model.voice, OmniVoice):  # its graphs stream the thinker into this stage
+            self.talker = TalkerStage(self.name, model.voice, spec.vlm.max_speech_codes)
         self.info = dataclasses.replace(self.info, tasks=("chat", *kinds),
                                         voices=model.voice.voices if model.voice is not None else ())
 
@@ -208,7 +210,7 @@ class ServedVLM(ServedChat):
             speech = (("talker", Talker3Stage(self.name, model.voice, self.speech_vlm.max_speech_codes), None),
                       ("code2wav", Code2WavStage(self.name, model.voice), CODE2WAV_POOL))
         elif model.voice is not None:
-            speech = (("talker", TalkerStage(self.name, model.voice, self.speech_vlm.max_speech_codes), None),
+            speech = (("talker", self.talker, None),
                       ("token2wav", Token2WavStage(self.name, model.voice), None),
                       ("vocoder", VocoderStage(self.name, model.voice), None))
         return (("media_decode", decode, self.ctx.media_pool),
@@ -241,18 +243,21 @@ class ServedVLM(ServedChat):
                          {"request": generation, "speech": request.speech})
 
     def _spoken(self, nodes: tuple[Node, ...], before: tuple[str, ...], speech: SpeechOutput) -> StageGraph:
-        """`nodes` (up to the thinker's llm), then the talker after the thinker's reply (and `before`, the node that
-        planned the prompt's media); then token2wav's DiT and the vocoder, after it for a whole reply, or streamed
-        from it chunk by chunk."""
-        talker = Node("talker", f"{self.name}/talker", (*before, "llm"))
+        """`nodes` (up to the thinker's llm), then the speech half. Qwen2.5-Omni: the talker streamed from the
+        thinker (it starts at the thinker's first token), then token2wav's DiT and the vocoder, after it for a whole
+        reply, or streamed from it chunk by chunk. Qwen3-Omni: the talker after the thinker's reply (and `before`,
+        the nodes of the prompt's media), then code2wav."""
         model = self.model
         assert isinstance(model, VLMChatModel)
         if isinstance(model.voice, Omni3Voice):  # (check_speech refused a stream)
-            return StageGraph((*nodes, talker, Node("code2wav", f"{self.name}/code2wav", ("talker",))), "code2wav")
-        if not speech.stream:
-            return StageGraph((*nodes, talker, Node("token2wav", f"{self.name}/token2wav", ("llm", "talker")),
-                               Node("vocoder", f"{self.name}/vocoder", ("token2wav",))), "vocoder")
+            return StageGraph((*nodes, Node("talker", f"{self.name}/talker", (*before, "llm")),
+                               Node("code2wav", f"{self.name}/code2wav", ("talker",))), "code2wav")
         assert isinstance(model.voice, OmniVoice)
+        talker = Node("talker", f"{self.name}/talker", stream=Stream("llm", self.talker.feed))
+        if not speech.stream:
+            return StageGraph((*nodes, talker, Node("token2wav", f"{self.name}/token2wav", ("llm", "talker"),
+                                                    prepare=talked),
+                               Node("vocoder", f"{self.name}/vocoder", ("token2wav",))), "vocoder")
         block = model.voice.block // model.voice.repeats  # codes a DiT block
         vlm = self.speech_vlm
         chunk, most = block * vlm.speech_chunk_blocks, block * vlm.speech_max_chunk_blocks

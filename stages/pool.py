@@ -303,9 +303,13 @@ class StagePool:
             if not active:
                 self._set_active(worker, 0)
                 continue
+            runnable = [item for item in active if stage.ready(item)]
+            if not runnable:
+                stage.wait(active)
+                continue
             # Plan: the batch key that waited longest, then up to max_batch_size of its items.
             groups: dict[Any, list[WorkItem]] = {}
-            for item in active:
+            for item in runnable:
                 groups.setdefault(stage.batch_key(item), []).append(item)
             key = min(groups, key=lambda k: turn.get(k, -1))
             batch = groups[key][: min(self.config.max_batch_size, oom_caps.get(key, self.config.max_batch_size))]

@@ -91,6 +91,14 @@ class LoopStage(Stage):
         """Advance every item by one step (items may be at different positions)."""
         raise NotImplementedError
 
+    def ready(self, item: WorkItem) -> bool:
+        """Whether a step would advance the item now (the talker's reply may wait on its thinker's next token)."""
+        return True
+
+    def wait(self, items: list[WorkItem]) -> None:
+        """No item is ready: wait a little for one to become ready (outside the compute threads; new items join
+        after it)."""
+
     def fit(self, items: list[WorkItem]) -> int:
         """How many of `items` (one batch key's, in order) one step may take (at least 1): a memory budget's cap."""
         return len(items)

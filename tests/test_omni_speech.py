@@ -250,10 +250,11 @@ def test_cancel_mid_talker_stops_every_stage(engine):
 
 def test_a_realtime_omni_voice_hears_speaks_and_is_interrupted(engine):
     """A `[[voices]] omni = ...` session: the user's audio (no transcription) goes to the omni model as input_audio,
-    its spoken reply streams as audio deltas with the text as transcript; speech over the reply (server_vad) cancels
-    it (turn_detected) and truncates it to what was heard; the next reply hears both utterances and equals the
-    model's own answer to that context. The session clock is held still, so the first reply cannot finish playing
-    before the interruption (no wall clock in the outcome)."""
+    its spoken reply streams as audio deltas (token2wav's chunks while the talker speaks) with the text as
+    transcript; speech over the reply (server_vad) cancels it (turn_detected) and truncates it to what was heard;
+    the next reply hears both utterances and equals the model's own streamed answer to that context. The session
+    clock is held still, so the first reply cannot finish playing before the interruption (no wall clock in the
+    outcome)."""
     import json
     import types
 
@@ -316,7 +317,7 @@ def test_a_realtime_omni_voice_hears_speaks_and_is_interrupted(engine):
     assert len(users) == 2 and all(part[0]["type"] == "input_audio" for part in users)
     assert context[-1]["role"] == "assistant" and context[-1]["content"] == transcript
     params = SamplingParams(temperature=0.8, max_tokens=12, seed=0)
-    want = submit(engine, context[:-1], SpeechOutput("Chelsie", 0), params).result(timeout=120)
+    want = submit(engine, context[:-1], SpeechOutput("Chelsie", 0, stream=True), params).result(timeout=120)
     assert transcript == want["choices"][0]["text"] and transcript
     got = np.frombuffer(pcm, "<i2").astype(np.float32) / 32767
     np.testing.assert_allclose(got, want["audio"].numpy(), rtol=0, atol=1e-4)

@@ -91,9 +91,14 @@ def test_streamed_audio_comes_in_chunks_while_the_talker_speaks(engine, referenc
     equals generate()."""
     ids, whole, want = reference(4)
     handle = spoken(engine, 4, stream=True)
-    chunks, codes, codes_at_first_window, final = [], 0, None, None
+    chunks, codes, codes_at_first_window, final, thinker_at_talker = [], 0, None, None, None
+    thinker = 0
     for event in handle.events(timeout=300):
-        if event.kind is EventKind.DELTA and event.stage == "talker":
+        if event.kind is EventKind.DELTA and event.stage == "llm":
+            thinker += 1
+        elif event.kind is EventKind.STAGE_STARTED and event.stage == "talker":
+            thinker_at_talker = thinker
+        elif event.kind is EventKind.DELTA and event.stage == "talker":
             codes += len(event.data["codes"])
         elif event.kind is EventKind.STAGE_STARTED and event.stage == "token2wav":
             codes_at_first_window = codes
@@ -102,6 +107,7 @@ def test_streamed_audio_comes_in_chunks_while_the_talker_speaks(engine, referenc
         elif event.kind is EventKind.FINAL:
             final = event.data["outputs"]
     assert final is not None and final["choices"][0]["token_ids"] == ids
+    assert thinker == len(ids) == GREEDY.max_tokens and thinker_at_talker == 1  # the talker joined at the first token
     assert codes == MAX_CODES and len(chunks) == 3  # chunks of 2, 4 and 2 blocks (96 codes: 8 blocks)
     # token2wav's first window went to its pool when the talker had drawn the chunk (24 codes) and its right
     # context (36), not at its end

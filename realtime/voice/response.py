@@ -223,7 +223,7 @@ class ResponseRunner:
                                 seed=s.spec.seed)
         r.timings.llm_submit = s.clock()
         if s.spec.omni:
-            speech = SpeechOutput(r.voice, secrets.randbits(31) if s.spec.seed is None else s.spec.seed)
+            speech = SpeechOutput(r.voice, secrets.randbits(31) if s.spec.seed is None else s.spec.seed, stream=True)
             chat = ChatRequest(messages=messages, params=params, tenant=s.tenant, speech=speech if r.audio else None)
             handle = await self._submit(s.engine.asubmit_chat(s.spec.omni, chat, fence=self.current))
         else:
@@ -234,6 +234,7 @@ class ResponseRunner:
                                                           fence=self.current))
         finish = None
         name = "response.output_audio_transcript.delta" if r.audio else "response.output_text.delta"
+        spoken = 0  # an omni reply: the characters of its text that went with its audio chunks so far
         try:
             async for event in handle:
                 if not self.current():
@@ -257,6 +258,14 @@ class ResponseRunner:
                         r.timings.tts_first = s.clock()
                     # a phrase's text goes with its first chunk (a phrase the TTS split further: later ones "")
                     await audio.put((event.data.get("text", ""), np.asarray(event.data["audio"], np.float32)))
+                elif event.kind is EventKind.DELTA and event.stage == "vocoder" and audio is not None:
+                    if r.timings.tts_first is None:
+                        r.timings.tts_first = s.clock()
+                    # an omni reply's chunk: the talker does not align words to codes, so a chunk carries the
+                    # words written since the chunk before it (the thinker is ahead of its speech)
+                    words, spoken = r.item.text[spoken:], len(r.item.text)
+                    samples = np.asarray(event.data["audio"], np.float32)
+                    await audio.put((words, resample(samples, event.data["sample_rate"], r.output_rate)))
                 elif event.kind is EventKind.ERROR:
                     raise StageError.from_event(event)
                 elif event.kind is EventKind.FINAL:
@@ -264,10 +273,8 @@ class ResponseRunner:
                     llm = outputs["llm"] if "llm" in outputs else outputs
                     r.usage = dict(llm.get("usage") or {})
                     finish = (llm.get("choices") or [{}])[0].get("finish_reason") or finish
-                    if audio is not None and "audio" in outputs:  # an omni reply: its whole waveform, one phrase
-                        r.timings.tts_first = s.clock()
-                        samples = np.asarray(outputs["audio"], np.float32)
-                        await audio.put((r.item.text, resample(samples, outputs["sample_rate"], r.output_rate)))
+                    if audio is not None and r.item.text[spoken:] and "audio" in outputs:  # an omni reply's last
+                        await audio.put((r.item.text[spoken:], np.zeros(0, np.float32)))  # words: on its last chunk
         finally:
             if audio is not None:
                 audio.put_nowait(None)  # the sender ends too (after what it has), whatever happened here

@@ -36,6 +36,7 @@ class Sequence:
     media: tuple = ()  # MediaSpans with features: spliced into the prompt's embeddings at every (re)prefill
     mrope: Any = None  # MRoPE positions of the prompt (Qwen2-VL-style models), else None
     hidden: list | None = None  # kept last hidden states, one per computed token (GenerationRequest.keep_hidden)
+    hidden_sent: int = 0  # of those, the ones its deltas have carried
     lora: tuple = ()  # LoRA adapters and weights of its tokens (stages/lora.py); they are in `namespace` too
 
     @property

@@ -211,6 +211,13 @@ class LLMStage(LoopStage):
         data = {"index": seq.index, "text": text, "finish_reason": finish_reason}
         if logprobs is not None:
             data["logprobs"] = logprobs
+        if seq.hidden is not None:  # a speech decoder reads the reply as it is written (pipelines/omni_talker.py)
+            if not seq.hidden_sent:
+                data["prompt_ids"] = list(seq.prompt_ids)
+            data["token_id"] = seq.output_ids[-1]
+            data["hidden"] = torch.stack(seq.hidden[seq.hidden_sent:]) if len(seq.hidden) > seq.hidden_sent else \
+                torch.zeros(0, self.runner.hidden_size)
+            seq.hidden_sent = max(seq.hidden_sent, len(seq.hidden))
         item.emit(EventKind.DELTA, **data)
 
     def _fail_request(self, item: WorkItem, message: str) -> None:
