@@ -160,18 +160,20 @@ class ServedDiffusion(ServedImages):
                              limits=self.limits)
 
     def finalize(self, request: ImageRequest, decoded) -> dict[str, Any]:
-        """The edit with its decoded image and mask, checked (media_decode calls it): with size auto it keeps the
-        image's size, rounded down to the model's multiple."""
+        """The edit with its decoded image and mask, checked (media_decode calls it): with size auto it gets the
+        family's edit size (the image's, rounded down to the model's multiple, unless the family resizes it)."""
         image, mask = decoded
         factor = self.info.size_factor
         width, height = request.width, request.height
-        if width is None and height is None:
-            width, height = (dim // factor * factor for dim in image.size)
-            if width < factor or height < factor:
-                raise RequestError("image", f"image is {image.size[0]}x{image.size[1]}; this model needs at least "
-                                            f"{factor}x{factor}", code="image_too_small")
-        edit = dataclasses.replace(request, image=image, mask=mask, width=width, height=height, source=None)
         assert isinstance(self.model, ImageFamily)  # media_decode runs on image graphs only (stages)
+        if width is None and height is None:
+            size = self.model.edit_size(image)
+            if size is not None:
+                width, height = size
+                if width < factor or height < factor:
+                    raise RequestError("image", f"image is {image.size[0]}x{image.size[1]}; this model needs at "
+                                                f"least {factor}x{factor}", code="image_too_small")
+        edit = dataclasses.replace(request, image=image, mask=mask, width=width, height=height, source=None)
         edit = self.model.validate(edit, self.limits)
         self.model.check_memory(edit)
         return {"request": edit}

@@ -38,7 +38,8 @@ JOB_KINDS = ("video", "batch")
 STATUSES = ("queued", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 VIDEO_REQUEST_FIELDS = ("prompt", "negative_prompt", "width", "height", "num_frames", "fps", "num_inference_steps",
-                        "guidance_scale", "seed", "step_cache", "seconds")  # what a video job keeps of VideoRequest
+                        "guidance_scale", "true_cfg_scale", "seed", "step_cache",
+                        "seconds")  # what a video job keeps of VideoRequest
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

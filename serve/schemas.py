@@ -23,6 +23,8 @@ OutputFormat = Literal["png", "jpeg", "webp"]
 # Every value the OpenAI API has documented for `quality`; none changes what a diffusion model does.
 Quality = Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"]
 
+# The extension fields that carry family knobs into ImageRequest.extra (each family declares the ones it takes).
+KNOBS = ("max_sequence_length", "true_cfg_scale", "max_area", "target_area")
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
 
 
@@ -99,6 +101,19 @@ class ImageParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)  # None: random, reported back in the response
     step_cache: StepCacheBody | None = None  # approximate step caching; the model must allow it
     lora: list[LoraRef] | None = Field(None, max_length=MAX_LORAS)  # the model's LoRA adapters, weighted
+    # Family knobs (the diffusers pipelines' own arguments): a model whose family does not take one refuses it (400
+    # naming the field); the family checks its limits. None: the pipeline's default.
+    max_sequence_length: int | None = Field(None, ge=1, description=(
+        "Text-encoder tokens the prompt is cut to (flux, flux_kontext, sd3, qwen_image text-to-image, sana, "
+        "z_image; the pipeline's own default and limit)"))
+    true_cfg_scale: float | None = Field(None, ge=0, description=(
+        "True classifier-free guidance of FLUX.1 and FLUX.1 Kontext: applies when above 1 and a negative_prompt "
+        "is given (default 1, off)"))
+    max_area: int | None = Field(None, ge=1, description=(
+        "FLUX.1 Kontext: the output is fitted to this many pixels at the requested aspect ratio (default: the "
+        "requested width x height)"))
+    target_area: int | None = Field(None, ge=1, description=(
+        "Qwen-Image-Edit: pixels the input image is resized to, keeping its aspect ratio (default 1024 x 1024)"))
 
     _step_cache_json = field_validator("step_cache", mode="before")(json_object)
     _lora_json = field_validator("lora", mode="before")(json_object)
@@ -130,10 +145,14 @@ class ImageParams(BaseModel):
             step_cache=self.step_cache.params() if self.step_cache is not None else None,
             lora=tuple((ref.name, ref.scale) for ref in self.lora or ()),
             # Previews only make sense on a stream; computing them otherwise would waste VAE decodes.
-            previews=(self.partial_images or 0) if self.stream else 0, output=self.encoding)
+            previews=(self.partial_images or 0) if self.stream else 0, output=self.encoding, extra=self.knobs())
         if strength is not None:
             request.strength = strength
         return request
+
+    def knobs(self) -> dict[str, Any]:
+        """The family knobs the caller set, as the request's `extra` (the family refuses those it does not take)."""
+        return {name: getattr(self, name) for name in KNOBS if getattr(self, name) is not None}
 
     @property
     def encoding(self) -> EncodeImages:

@@ -60,6 +60,7 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         if request.task.value not in self.tasks:
             raise RequestError("model", f"model {self.name} does not support {request.task.value}; "
                                         f"it supports {list(self.tasks)}")
+        self.refuse_knobs(request.extra)
         request = request.validate(size_factor=self.size_factor, default_size=self.default_size,
                                    default_steps=self.default_steps, default_guidance=self.default_guidance,
                                    limits=limits)
@@ -67,6 +68,12 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         if request.lora:
             request = dataclasses.replace(request, lora=self.loras.resolve(request.lora))
         return request
+
+    def edit_size(self, image: Image.Image) -> tuple[int, int] | None:
+        """An edit's output size when the request names none, once its upload is decoded: the image's, rounded down
+        to the size factor. None: the family's `validate` sizes it (a pipeline that resizes its input first)."""
+        factor = self.size_factor
+        return image.size[0] // factor * factor, image.size[1] // factor * factor
 
     def warm_request(self, width: int, height: int) -> ImageRequest:
         """The warm-up's tiny request at one size (pipelines/served.py): text-to-image, one step."""

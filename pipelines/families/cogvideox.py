@@ -11,6 +11,7 @@ diffusers' use_dynamic_cfg (off by default) is not served: guidance is the reque
 
 from __future__ import annotations
 
+import functools
 from typing import Hashable
 
 import torch
@@ -19,6 +20,7 @@ from diffusers.schedulers.scheduling_dpm_cogvideox import CogVideoXDPMScheduler
 
 from pipelines.families.video_base import VideoFamily
 from pipelines.video import VideoTask
+from stages.diffusion.block_stack import CacheSpec
 from stages.stage import WorkItem
 
 
@@ -122,10 +124,15 @@ class CogVideoXFamily(VideoFamily):
         return [out.float() for out in self.denoise("transformer", items, sizes, batched, shared)]
 
     # -- speed-ups ----------------------------------------------------------------------------
-    denoiser_keys = ("transformer",)  # (no cache_spec: step caching is not wired for CogVideoX's blocks)
+    denoiser_keys = ("transformer",)
 
     def repeated_blocks(self, module) -> tuple:
         return tuple(module.transformer_blocks)
+
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        # expert blocks -> (video, text); after them only the video tokens are read (norm_final is per token)
+        return CacheSpec(key, self.repeated_blocks(module), encoder="encoder_hidden_states", out_hidden=0,
+                         out_encoder=1, indicator=functools.partial(_modulated_input, module.transformer_blocks[0]))
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
@@ -153,3 +160,7 @@ class CogVideoXFamily(VideoFamily):
         latents = 1 / self.pipe.vae_scaling_factor_image * latents
         return vae.decode(latents.to(vae.dtype)).sample
 
+
+def _modulated_input(block, args: dict) -> torch.Tensor:
+    """TeaCache's input for CogVideoX: block 0's video tokens through its norm1 (LayerNorm modulated by temb)."""
+    return block.norm1(args["hidden_states"], args["encoder_hidden_states"], args["temb"])[0]

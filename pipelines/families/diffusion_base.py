@@ -18,7 +18,7 @@ import inspect
 import logging
 import threading
 import warnings
-from typing import Any, Generic, Hashable, TypeVar
+from typing import Any, Generic, Hashable, Iterable, TypeVar
 
 import torch
 
@@ -51,6 +51,9 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
     default_steps: int = 50
     default_guidance: float = 7.5
     load_kwargs: dict[str, Any] = {}  # extra from_pretrained arguments
+    # The family-specific knobs a request may set (ImageRequest.extra keys; VideoRequest.true_cfg_scale): the
+    # family reads these and refuses any other by name (`refuse_knobs`), so a knob never looks taken when it is not.
+    request_knobs: frozenset[str] = frozenset()
 
     def __init__(self, name: str, path: str, *, device: str = "cpu", dtype: str = "float32",
                  prompt_cache: EncoderCache | None = None, quantize: dict[str, str] | None = None):
@@ -198,6 +201,20 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
         if self.activations.measured(size, rows):
             return contextlib.nullcontext()
         return self.activations.measure(size, rows, self.device)
+
+    # -- request knobs ------------------------------------------------------------------------
+    def knobs(self) -> frozenset[str]:
+        """The knobs this model's requests may set (a family whose checkpoints differ may say per checkpoint)."""
+        return self.request_knobs
+
+    def refuse_knobs(self, given: Iterable[str]) -> None:
+        """A knob of another family (`given`: the names a request sets) is a RequestError naming it."""
+        takes = self.knobs()
+        for key in sorted(given):
+            if key not in takes:
+                which = f"it takes {sorted(takes)}" if takes else "it takes none of the family-specific knobs"
+                raise RequestError(key, f"model {self.name} ({self.family}) does not take {key}; {which}",
+                                   code="unsupported_parameter")
 
     # -- facts the API layer needs --------------------------------------------------------
     @property

@@ -37,6 +37,7 @@ class FluxFamily(PackedLatents, ImageFamily):
     }
     default_steps = 28  # FluxPipeline.__call__ num_inference_steps
     default_guidance = 3.5  # the embedded (distilled) guidance, not CFG
+    request_knobs = frozenset({"max_sequence_length", "true_cfg_scale"})
 
     # -- request knobs (request.extra) --------------------------------------------------------
     @staticmethod

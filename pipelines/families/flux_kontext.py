@@ -42,6 +42,7 @@ class FluxKontextFamily(FluxFamily):
     class_names = ("FluxKontextPipeline",)  # type: ignore[assignment]  # FluxFamily's is inferred as a 3-tuple
     # One pipeline does both: with an image it edits in context, without one it generates.
     pipeline_classes = {Task.TEXT_TO_IMAGE: FluxKontextPipeline, Task.IMAGE_TO_IMAGE: FluxKontextPipeline}
+    request_knobs = FluxFamily.request_knobs | {"max_area", "auto_resize"}
 
     # -- request knobs (request.extra) --------------------------------------------------------
     @staticmethod

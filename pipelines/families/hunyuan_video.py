@@ -18,6 +18,7 @@ VAE, and a cond-latent layout) and HunyuanVideoImageToVideoPipeline / HunyuanVid
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any, Hashable
 
@@ -26,9 +27,11 @@ import torch
 from diffusers import HunyuanVideoPipeline
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 
+from pipelines.families.speedups import norm1_indicator
 from pipelines.families.video_base import VideoFamily
 from pipelines.image_request import RequestError
 from pipelines.video import VideoRequest, VideoTask
+from stages.diffusion.block_stack import CacheSpec
 from stages.stage import WorkItem
 
 
@@ -39,6 +42,7 @@ class HunyuanVideoFamily(VideoFamily):
     default_steps = 50  # HunyuanVideoPipeline.__call__ defaults
     default_guidance = 6.0  # embedded (distilled) guidance
     default_true_cfg = 1.0  # true CFG off
+    request_knobs = frozenset({"true_cfg_scale"})
     default_size = (1280, 720)  # (width, height)
     default_frames = 129
     default_fps = 24.0  # HunyuanVideo's training clips and its reference sampler's output are 24 fps
@@ -152,10 +156,17 @@ class HunyuanVideoFamily(VideoFamily):
         return self.denoise("transformer", items, sizes, batched)
 
     # -- speed-ups ----------------------------------------------------------------------------
-    denoiser_keys = ("transformer",)  # (no cache_spec: step caching is not wired for HunyuanVideo's blocks)
+    denoiser_keys = ("transformer",)
 
     def repeated_blocks(self, module) -> tuple:
         return (*module.transformer_blocks, *module.single_transformer_blocks)
+
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        # dual- then single-stream blocks, both -> (video, text); the dual blocks get the rotary positionally as
+        # `freqs_cis` ([tokens, D], the same for every row)
+        return CacheSpec(key, self.repeated_blocks(module), encoder="encoder_hidden_states", out_hidden=0,
+                         out_encoder=1, indicator=functools.partial(norm1_indicator, module.transformer_blocks[0]),
+                         shared=frozenset({"freqs_cis"}))
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ a mask are equal, so that a request's numerics never depend on who else is in th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from typing import Any, Hashable
@@ -46,6 +47,7 @@ from PIL import Image
 from pipelines.families.base import ImageFamily, PackedLatents
 from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
 from pipelines.registry import _read_index
+from stages.diffusion.block_stack import CacheSpec
 from stages.diffusion.memory import Size
 from stages.stage import WorkItem
 
@@ -98,6 +100,11 @@ class QwenImageFamily(PackedLatents, ImageFamily):
     def target_area(request: ImageRequest) -> int:
         return int(request.extra.get("target_area", EDIT_AREA))
 
+    def knobs(self) -> frozenset[str]:
+        # an edit's prompt is not cut at max_sequence_length (QwenImageEditPipeline ignores it); target_area sizes
+        # an edit's input image, which text-to-image has none of
+        return frozenset({"target_area"} if self.edits else {"max_sequence_length"})
+
     @property
     def edits(self) -> bool:
         """A QwenImageEditPipeline checkpoint: instruction edits of an input image."""
@@ -124,6 +131,10 @@ class QwenImageFamily(PackedLatents, ImageFamily):
             width, height = request.width or context[0], request.height or context[1]
             request = dataclasses.replace(request, width=width // factor * factor, height=height // factor * factor)
         return super().validate(request, limits)
+
+    def edit_size(self, image: Image.Image) -> tuple[int, int] | None:
+        # an edit's output takes the input resized to target_area (validate, from context_size), as __call__ does
+        return None if self.edits else super().edit_size(image)
 
     def warm_request(self, width: int, height: int) -> ImageRequest:
         if not self.edits:
@@ -292,6 +303,14 @@ class QwenImageFamily(PackedLatents, ImageFamily):
     def repeated_blocks(self, module) -> tuple:
         return tuple(module.transformer_blocks)
 
+    def cache_spec(self, key: str, module) -> CacheSpec | None:
+        # dual-stream blocks -> (text, image); the image stream (and an edit's context tokens) is the cached one.
+        # A zero_cond_t transformer (Qwen-Image-Edit-2511) doubles temb's rows inside the blocks: not cut by rows.
+        if getattr(module.config, "zero_cond_t", False):
+            return None
+        return CacheSpec(key, self.repeated_blocks(module), encoder="encoder_hidden_states", out_hidden=1,
+                         out_encoder=0, indicator=functools.partial(_modulated_image, module.transformer_blocks[0]))
+
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
         s, req = item.state, item.inputs["request"]
@@ -334,3 +353,10 @@ def _valid(embeds: torch.Tensor, length: int) -> torch.Tensor:
     mask = torch.zeros(embeds.shape[0], length, dtype=torch.long, device=embeds.device)
     mask[:, :embeds.shape[1]] = 1
     return mask
+
+
+def _modulated_image(block, args: dict) -> torch.Tensor:
+    """TeaCache's input for Qwen-Image: block 0's image stream, normalised and modulated by the timestep
+    (img_norm1(x) * (1 + scale) + shift of its first modulation)."""
+    shift, scale, _ = block.img_mod(args["temb"]).chunk(2, dim=-1)[0].chunk(3, dim=-1)
+    return block.img_norm1(args["hidden_states"]) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)

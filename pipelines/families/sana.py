@@ -23,6 +23,7 @@ own, so a request's numerics never depend on its batch mates.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Hashable
 
@@ -35,6 +36,7 @@ from diffusers.pipelines.sana.pipeline_sana import ASPECT_RATIO_4096_BIN, retrie
 
 from pipelines.families.base import ImageFamily
 from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
+from stages.diffusion.block_stack import CacheSpec
 from stages.diffusion.memory import Size
 from stages.stage import WorkItem
 
@@ -52,6 +54,7 @@ class SanaFamily(ImageFamily):
     pipeline_classes = {Task.TEXT_TO_IMAGE: SanaPipeline}
     default_steps: int = _CALL["num_inference_steps"].default  # 20
     default_guidance: float = _CALL["guidance_scale"].default  # 4.5
+    request_knobs = frozenset({"max_sequence_length", "complex_human_instruction", "use_resolution_binning"})
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -210,6 +213,11 @@ class SanaFamily(ImageFamily):
     def repeated_blocks(self, module) -> tuple:
         return tuple(module.transformer_blocks)
 
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        # single-stream blocks (text by cross-attention) -> the image tokens
+        return CacheSpec(key, self.repeated_blocks(module),
+                         indicator=functools.partial(_modulated_input, module.transformer_blocks[0]))
+
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
         s, req = item.state, item.inputs["request"]
@@ -227,3 +235,12 @@ class SanaFamily(ImageFamily):
         if extras:  # resolution binning: back to the requested size
             image = pipe.image_processor.resize_and_crop_tensor(image, extras["width"], extras["height"])
         return self.postprocess(image)
+
+
+def _modulated_input(block, args: dict) -> torch.Tensor:
+    """TeaCache's input for Sana: block 0's norm1(x) * (1 + scale_msa) + shift_msa (the adaLN-single modulation of
+    its `timestep` embedding)."""
+    hidden = args["hidden_states"]
+    shift_msa, scale_msa = (block.scale_shift_table[None] + args["timestep"].reshape(hidden.shape[0], 6, -1)).chunk(
+        6, dim=1)[:2]
+    return block.norm1(hidden) * (1 + scale_msa) + shift_msa

@@ -30,6 +30,7 @@ class StableDiffusion3Family(ImageFamily):
     }
     default_steps = 28  # StableDiffusion3Pipeline.__call__ defaults
     default_guidance = 7.0
+    request_knobs = frozenset({"max_sequence_length"})  # T5's
     # diffusers' SD3 inpainting pipeline decodes `latents / scaling_factor` without adding the VAE's
     # shift_factor (text-to-image and image-to-image add it). We mirror that to equal its output.
     mask_batch_args = (1, "n")  # SD3's prepare_mask_latents takes (batch_size, num_images_per_prompt)

@@ -100,6 +100,7 @@ class VideoFamily(DiffusionFamily[VideoTask, VideoRequest]):
     def validate(self, request: VideoRequest) -> VideoRequest:
         """The request checked against the model and this model's video limits, completed (defaults filled, a
         seed drawn), or the field-naming RequestError."""
+        self.refuse_knobs(["true_cfg_scale"] if request.true_cfg_scale is not None else [])
         request = request.validate(tasks=self.tasks, model=self.name, size_factor=self.size_factor,
                                    frame_factor=self.frame_factor, default_size=self.request_default_size,
                                    default_frames=self.request_default_frames, default_fps=self.default_fps,

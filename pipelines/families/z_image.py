@@ -25,6 +25,7 @@ change when cfg_truncation ends its guidance).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Hashable
 
 import numpy as np
@@ -40,6 +41,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from pipelines.families.base import ImageFamily
 from pipelines.image_request import ImageLimits, ImageRequest, RequestError, Task
+from stages.diffusion.block_stack import CacheSpec
 from stages.stage import WorkItem
 
 MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline.__call__'s default
@@ -53,6 +55,7 @@ class ZImageFamily(ImageFamily):
     pipeline_classes = {Task.TEXT_TO_IMAGE: ZImagePipeline}
     default_steps = 50  # ZImagePipeline.__call__ num_inference_steps
     default_guidance = 5.0  # its guidance_scale (CFG whenever > 0)
+    request_knobs = frozenset({"max_sequence_length", "cfg_normalization", "cfg_truncation"})
 
     @property
     def default_size(self) -> int:
@@ -208,6 +211,12 @@ class ZImageFamily(ImageFamily):
     def repeated_blocks(self, module) -> tuple:
         return tuple(module.layers)
 
+    def cache_spec(self, key: str, module) -> CacheSpec:
+        # the main layers run on one unified stream `x` (image tokens, then the caption's, padded per row); the
+        # refiners before them always run. Their rotary `freqs_cis` is per row ([R, L, D]): cut by rows.
+        return CacheSpec(key, self.repeated_blocks(module), hidden="x",
+                         indicator=functools.partial(_modulated_input, module.layers[0]))
+
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
         s, req = item.state, item.inputs["request"]
@@ -240,3 +249,10 @@ class ZImageFamily(ImageFamily):
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents, return_dict=False)[0]  # [N, 3, H, W]
         return self.postprocess(image)
+
+
+def _modulated_input(block, args: dict) -> torch.Tensor:
+    """TeaCache's input for Z-Image: layer 0's attention_norm1(x) * (1 + scale_msa), scale_msa from its adaLN
+    modulation of the timestep embedding."""
+    scale_msa = block.adaLN_modulation(args["adaln_input"]).unsqueeze(1).chunk(4, dim=2)[0]
+    return block.attention_norm1(args["x"]) * (1.0 + scale_msa)

@@ -45,6 +45,9 @@ class VideoBody(BaseModel):
     fps: float | None = Field(None, gt=0, le=120)
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0)
+    true_cfg_scale: float | None = Field(None, ge=0, description=(
+        "HunyuanVideo: true classifier-free guidance, applied when above 1 and a negative_prompt is given "
+        "(default 1, off); other video families refuse it"))
     seed: int | None = None
     # JSON only: a data: URI or URL of the image, or {"image_url": "<data: URI or URL>"} (also {"image_url":
     # {"url": ...}}) as the chat/Responses APIs spell an image; multipart sends it as a file part instead
@@ -72,7 +75,8 @@ class VideoBody(BaseModel):
         return dict(model=model, prompt=self.prompt, negative_prompt=self.negative_prompt, width=width,
                     height=height, num_frames=self.num_frames, fps=self.fps,
                     num_inference_steps=self.num_inference_steps,
-                    guidance_scale=self.guidance_scale, seed=self.seed, size=self.size, seconds=self.seconds,
+                    guidance_scale=self.guidance_scale, true_cfg_scale=self.true_cfg_scale, seed=self.seed,
+                    size=self.size, seconds=self.seconds,
                     step_cache=self.step_cache.params() if self.step_cache is not None else None)
 
 

@@ -50,6 +50,9 @@ class CacheSpec:
     indicator: Callable[[dict[str, Any]], torch.Tensor] | None = None  # TeaCache input from block 0's arguments
     coefficients: tuple[float, ...] = IDENTITY  # TeaCache's rescale polynomial for this indicator
     first_steps: int = 1  # leading steps always computed (Wan's "ret steps" mode: 5)
+    # block arguments shared by every row besides SHARED_ARGS (HunyuanVideo's rotary `freqs_cis`, [tokens, D]: a
+    # name Z-Image uses for per-row frequencies, so it is the spec's to say)
+    shared: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class StackRun:
             return self._pack(args[self.spec.hidden], args.get(self.spec.encoder) if self.spec.encoder else None)
         index = torch.tensor(self.active, dtype=torch.long)
         for name, value in list(bound.arguments.items()):
-            if name not in SHARED_ARGS:
+            if name not in SHARED_ARGS and name not in self.spec.shared:
                 bound.arguments[name] = _take_rows(value, index, self.rows)
         with rows_subset(self.active):  # the LoRA plan's rows follow (stages/lora.py)
             return original(*bound.args, **bound.kwargs)
