@@ -30,7 +30,10 @@ class RequestState:
         self._closed = False
         self._cancel_requested = threading.Event()
         self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []  # woken by every event
+        # woken by the terminal event only: a caller that wants the result is not woken once per token
+        self._final_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._finished = threading.Event()
         self._on_close: list = []  # callbacks run exactly once when the request closes
         self._observers: list[Callable[[Event], None]] = []  # see every event as it is written (streaming edges)
 
@@ -67,8 +70,11 @@ class RequestState:
             self._events.append(event)
             if event.terminal:
                 self._closed = True
+                self._finished.set()
             self._cond.notify_all()
             waiters, observers = list(self._waiters), list(self._observers)
+            if event.terminal:
+                waiters += self._final_waiters
         for observe in observers:  # in the writer's thread, outside the lock (an observer may emit)
             observe(event)
         for loop, flag in waiters:
@@ -121,6 +127,27 @@ class RequestState:
             yield event
             if event.terminal:
                 return
+
+    def final_event(self, timeout: float | None = None) -> Event:
+        """The terminal event, once it is written (TimeoutError after `timeout` seconds)."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not end within {timeout}s")
+        return self._events[-1]
+
+    async def afinal_event(self) -> Event:
+        """The terminal event, awaited; the loop is woken once, by it (not by every delta before it)."""
+        loop = asyncio.get_running_loop()
+        flag = asyncio.Event()
+        with self._cond:
+            if self._closed:
+                return self._events[-1]
+            self._final_waiters.append((loop, flag))
+        try:
+            await flag.wait()
+            return self._events[-1]
+        finally:
+            with self._cond:
+                self._final_waiters.remove((loop, flag))
 
     async def aiter_events(self) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
@@ -177,17 +204,12 @@ class RequestHandle:
         self._state.on_close(callback)
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
-        """Block until the request ends; return the final outputs or raise its StageError."""
-        last = None
-        for last in self.events(timeout):
-            pass
-        return _outputs_of(last, self.request_id)
+        """Block until the request ends (at most `timeout` seconds); return the final outputs or raise its
+        StageError."""
+        return _outputs_of(self._state.final_event(timeout), self.request_id)
 
     async def aresult(self) -> dict[str, Any]:
-        last = None
-        async for last in self:
-            pass
-        return _outputs_of(last, self.request_id)
+        return _outputs_of(await self._state.afinal_event(), self.request_id)
 
 
 def _outputs_of(event: Event | None, request_id: str) -> dict[str, Any]:

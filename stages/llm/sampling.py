@@ -250,6 +250,9 @@ def sample(
     if not len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch:
         raise ValueError(f"params, prompt_ids, output_ids and generators must each have {batch} rows")
     raw = logits.float()  # [B, V]
+    if all(_plain_greedy(p) for p in params) and bool(torch.isfinite(raw).all()):
+        # the common decode step: every row greedy with nothing to apply, no bad logit: one argmax (4.)
+        return SampleOutput(raw.argmax(-1).tolist(), [None] * batch, [None] * batch, {})
     errors: dict[int, str] = {}
     for row in (torch.isnan(raw) | torch.isposinf(raw)).any(-1).nonzero()[:, 0].tolist():
         errors[row] = "the model produced NaN or +inf logits"
@@ -272,6 +275,12 @@ def sample(
         tokens[rows] = _draw(probs, u.to(z.device))  # 9. one uniform per row from its own stream
     chosen, top = _raw_logprobs(raw, tokens, params, errors)
     return SampleOutput(tokens.tolist(), chosen, top, errors)
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with no logit bias, no penalty and no logprobs: its token is the first argmax of its raw logits."""
+    return (p.greedy and not p.logit_bias and not p.logprobs and p.repetition_penalty == 1
+            and p.frequency_penalty == 0 and p.presence_penalty == 0)
 
 
 def _column(values: list, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
