@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from stages.diffusion.step_cache import StepCacheParams
@@ -40,10 +40,11 @@ class ImageLimits:
     max_steps: int = 200
     max_guidance: float = 50.0
     max_prompt_chars: int = 4000
+    max_images: int = 4  # input images of one edit, for the models that edit several (Qwen-Image-Edit-Plus)
 
     def __post_init__(self):
-        if self.max_pixels < 64 or self.max_n < 1 or self.max_steps < 1:
-            raise ValueError("image limits must allow at least one small image and one step")
+        if self.max_pixels < 64 or self.max_n < 1 or self.max_steps < 1 or self.max_images < 1:
+            raise ValueError("image limits must allow at least one small image, one input image and one step")
 
 
 @dataclass
@@ -60,7 +61,7 @@ class ImageRequest:
     guidance_scale: float | None = None  # None: the family default
     seed: int | None = None  # None: a random seed, reported back
     strength: float = 0.8  # image-to-image / inpainting: how far from the input image
-    image: Any = None  # PIL.Image for image-to-image and inpainting
+    image: Any = None  # PIL.Image for image-to-image and inpainting; a list of them for models that edit several
     mask: Any = None  # PIL.Image (white = repaint) for inpainting
     tenant: str = "default"  # enters every cache identity
     previews: int = 0  # how many partial images to stream (each costs a VAE decode)
@@ -71,24 +72,43 @@ class ImageRequest:
     output: EncodeImages | None = None
     # The server's edits start from uploaded bytes (the media_decode node fills image and mask); None: given.
     source: DecodeImages | None = None
+    # The server's edits: how many input images the upload carries, counted before they are fetched (checked with
+    # the other fields); None: count `image`, else `source`.
+    uploaded_images: int | None = None
     # A realtime session's id: all its frames go to one replica of a placed pool (Stage.affinity); None: any.
     session: str | None = None
     # LoRA adapters of the model (`[[models.loras]]`) and their weights: ((name, scale or None: the declared), ...)
     lora: tuple[tuple[str, float | None], ...] = ()
 
-    def check_fields(self, *, size_factor: int, default_size: int, limits: ImageLimits) -> None:
+    @property
+    def image_count(self) -> int:
+        """Input images the request carries: decoded in `image`, still bytes in `source`, or as uploaded."""
+        if self.image is None and self.source is None and self.uploaded_images is not None:
+            return self.uploaded_images
+        image = self.image if self.image is not None or self.source is None else self.source.image
+        if image is None:
+            return 0
+        return len(image) if isinstance(image, (list, tuple)) else 1
+
+    def check_fields(self, *, size_factor: int, default_size: int, limits: ImageLimits,
+                     several_images: bool = False) -> None:
         """The checks of the request's own fields, before its input image is decoded or the family's defaults are
         known. What depends on those (an edit's size when it names none, default steps and guidance, the image
-        and mask themselves) `validate` checks later. Raises RequestError."""
+        and mask themselves) `validate` checks later. `several_images`: the model edits up to limits.max_images
+        images (else one). Raises RequestError."""
         self._check(size_factor=size_factor, default_size=default_size, default_steps=None, default_guidance=None,
-                    limits=limits, images=False)
+                    limits=limits, images=False, several_images=several_images)
 
     def validate(self, *, size_factor: int, default_size: int, default_steps: int, default_guidance: float,
-                 limits: ImageLimits) -> "ImageRequest":
+                 limits: ImageLimits, several_images: bool = False) -> "ImageRequest":
         """Check every field against the limits and fill defaults. Raises RequestError."""
+        if not several_images and isinstance(self.image, (list, tuple)) and len(self.image) == 1:
+            return replace(self, image=self.image[0]).validate(
+                size_factor=size_factor, default_size=default_size, default_steps=default_steps,
+                default_guidance=default_guidance, limits=limits)  # a list of one, for a model that edits one
         width, height, steps, guidance, step_cache = self._check(
             size_factor=size_factor, default_size=default_size, default_steps=default_steps,
-            default_guidance=default_guidance, limits=limits, images=True)
+            default_guidance=default_guidance, limits=limits, images=True, several_images=several_images)
         assert width is not None and height is not None and steps is not None and guidance is not None
         seed = self.seed
         if seed is None:
@@ -102,7 +122,8 @@ class ImageRequest:
 
     def _check(self, *, size_factor: int, default_size: int, default_steps: int | None,
                default_guidance: float | None, limits: ImageLimits,
-               images: bool) -> tuple[int | None, int | None, int | None, float | None, StepCacheParams | None]:
+               images: bool, several_images: bool = False,
+               ) -> tuple[int | None, int | None, int | None, float | None, StepCacheParams | None]:
         """(width, height, steps, guidance, step cache) as they will run, None where not known yet (`images` False:
         before the input image is decoded and without the family's defaults)."""
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -113,10 +134,12 @@ class ImageRequest:
         width: int | None
         height: int | None
         edit_sized = self.task is not Task.TEXT_TO_IMAGE and not (self.width or self.height)
+        self._check_image_count(several_images, limits)
         if edit_sized and images and self.image is not None:
-            # Edits default to the input image's size, rounded down to the model's factor.
-            width = max(size_factor, self.image.size[0] // size_factor * size_factor)
-            height = max(size_factor, self.image.size[1] // size_factor * size_factor)
+            # Edits default to the input image's size (the last one's of several), rounded down to the model's factor.
+            last = self.image[-1] if isinstance(self.image, (list, tuple)) else self.image
+            width = max(size_factor, last.size[0] // size_factor * size_factor)
+            height = max(size_factor, last.size[1] // size_factor * size_factor)
         elif edit_sized and not images:
             width = height = None  # the input image's: known once it is decoded
         else:
@@ -158,6 +181,19 @@ class ImageRequest:
                 raise RequestError("mask", f"mask is {self.mask.size[0]}x{self.mask.size[1]} but the image is "
                                            f"{self.image.size[0]}x{self.image.size[1]}; they must match")
         return width, height, steps, guidance, StepCacheParams.parse(self.step_cache)
+
+    def _check_image_count(self, several_images: bool, limits: ImageLimits) -> None:
+        """A list of input images: not empty, and at most limits.max_images where the model edits several, else
+        one. Raises RequestError naming `image`."""
+        count = self.image_count
+        if isinstance(self.image, (list, tuple)) and count == 0:
+            raise RequestError("image", "image is an empty list; send at least one input image")
+        if count > 1 and not several_images:
+            raise RequestError("image", f"image has {count} images; this model edits one image (the limit is 1)",
+                               code="too_many_images")
+        if count > limits.max_images:
+            raise RequestError("image", f"image has {count} images; the limit is {limits.max_images} a request",
+                               code="too_many_images")
 
 
 MAX_LORAS = 4  # adapters in one request

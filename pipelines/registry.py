@@ -13,6 +13,7 @@ FAMILIES = {
     "sd3": "pipelines.families.sd3:StableDiffusion3Family",
     "flux": "pipelines.families.flux:FluxFamily",
     "flux_kontext": "pipelines.families.flux_kontext:FluxKontextFamily",
+    "flux2": "pipelines.families.flux2:Flux2Family",
     "wan": "pipelines.families.wan:WanFamily",  # video (pipelines/video.py)
     "ltx": "pipelines.families.ltx:LTXFamily",
     "cogvideox": "pipelines.families.cogvideox:CogVideoXFamily",
@@ -60,11 +61,12 @@ CLASS_NAMES = {
     "StableDiffusion3InpaintPipeline": "sd3",
     "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
     "FluxKontextPipeline": "flux_kontext",
-    "QwenImagePipeline": "qwen_image", "QwenImageEditPipeline": "qwen_image",
+    "Flux2Pipeline": "flux2",
+    "QwenImagePipeline": "qwen_image", "QwenImageEditPipeline": "qwen_image", "QwenImageEditPlusPipeline": "qwen_image",
     "SanaPipeline": "sana",
     "ZImagePipeline": "z_image",
     "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
-    "CogVideoXPipeline": "cogvideox",
+    "CogVideoXPipeline": "cogvideox", "CogVideoXImageToVideoPipeline": "cogvideox",
     "HunyuanVideoPipeline": "hunyuan_video",
 }
 

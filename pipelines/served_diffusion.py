@@ -156,8 +156,9 @@ class ServedDiffusion(ServedImages):
         if request.task.value not in self.info.tasks:
             raise RequestError("model", f"model {self.name} does not support {request.task.value}; it supports "
                                         f"{list(self.info.tasks)}")
+        assert isinstance(self.model, ImageFamily)  # (a video model does no image task)
         request.check_fields(size_factor=self.info.size_factor, default_size=self.info.default_size,
-                             limits=self.limits)
+                             limits=self.limits, several_images=self.model.several_images)
 
     def finalize(self, request: ImageRequest, decoded) -> dict[str, Any]:
         """The edit with its decoded image and mask, checked (media_decode calls it): with size auto it gets the
@@ -166,12 +167,15 @@ class ServedDiffusion(ServedImages):
         factor = self.info.size_factor
         width, height = request.width, request.height
         assert isinstance(self.model, ImageFamily)  # media_decode runs on image graphs only (stages)
+        if isinstance(image, list) and len(image) == 1 and not self.model.several_images:
+            image = image[0]  # a list of one, for a model that edits one image
+        last = image[-1] if isinstance(image, list) else image  # several images: the output follows the last
         if width is None and height is None:
-            size = self.model.edit_size(image)
+            size = self.model.edit_size(last)
             if size is not None:
                 width, height = size
                 if width < factor or height < factor:
-                    raise RequestError("image", f"image is {image.size[0]}x{image.size[1]}; this model needs at "
+                    raise RequestError("image", f"image is {last.size[0]}x{last.size[1]}; this model needs at "
                                                 f"least {factor}x{factor}", code="image_too_small")
         edit = dataclasses.replace(request, image=image, mask=mask, width=width, height=height, source=None)
         edit = self.model.validate(edit, self.limits)

@@ -123,14 +123,15 @@ class ImageReference(BaseModel):
 class ImageEditJson(ImageEditRequest):
     """POST /v1/images/edits as JSON (serve/uploads.py read_edit_json): the images by reference."""
 
-    images: list[Union[ImageReference, str]] = Field(min_length=1, max_length=1)  # exactly one image
+    # one image; several (up to [limits] max_images) for the models that edit several (Qwen-Image-Edit-Plus)
+    images: list[Union[ImageReference, str]] = Field(min_length=1)
     mask: Union[ImageReference, str, None] = None
 
 
 class ImageEditForm(ImageEditRequest):
     """POST /v1/images/edits as multipart/form-data (serve/uploads.py read_edit_form)."""
 
-    image: bytes  # the image file (PNG, JPEG, WebP, ...)
+    image: bytes  # the image file (PNG, JPEG, WebP, ...); several as `image[]` parts, for the models that edit several
     mask: bytes | None = None  # transparent (or, without alpha, white) pixels are repainted
 
 

@@ -2,6 +2,7 @@
 
     qwen_image       tiny  vae scale factor 4  default size 512 x 512  latents [4, 1, 128, 128]
     qwen_image_edit  the same components with the Qwen2.5-VL processor, saved as a QwenImageEditPipeline
+    qwen_image_edit_plus  the same, saved as a QwenImageEditPlusPipeline (one or several input images)
 
 Components: a 2-block QwenImageTransformer2DModel (4 latent channels packed 2x2: in_channels 16), a 3-D
 AutoencoderKLQwenImage (z_dim 4, two spatial downsamples, non-trivial latents_mean / latents_std so the decode's
@@ -29,6 +30,13 @@ def build_qwen_image_edit(seed: int = 0, scale: str = "tiny"):
     from diffusers import QwenImageEditPipeline
 
     return QwenImageEditPipeline(**_components(seed, processor=True))
+
+
+def build_qwen_image_edit_plus(seed: int = 0, scale: str = "tiny"):
+    """Qwen-Image-Edit-Plus (2509): qwen_image_edit's components, saved as a QwenImageEditPlusPipeline."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    return QwenImageEditPlusPipeline(**_components(seed, processor=True))
 
 
 def _components(seed: int, *, processor: bool = False) -> dict:

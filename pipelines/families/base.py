@@ -49,6 +49,11 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         """The width and height of a request that names no size."""
         raise NotImplementedError
 
+    @property
+    def several_images(self) -> bool:
+        """Whether an edit may carry several input images (up to ImageLimits.max_images); else one."""
+        return False
+
     def refuse_guidance_embeds(self, what: str) -> None:
         """A guidance-distilled transformer (`guidance_embeds`) this family's loop does not feed: refused at load."""
         if self.pipe.transformer.config.guidance_embeds:
@@ -63,7 +68,7 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         self.refuse_knobs(request.extra)
         request = request.validate(size_factor=self.size_factor, default_size=self.default_size,
                                    default_steps=self.default_steps, default_guidance=self.default_guidance,
-                                   limits=limits)
+                                   limits=limits, several_images=self.several_images)
         self.check_step_cache(request.step_cache)
         if request.lora:
             request = dataclasses.replace(request, lora=self.loras.resolve(request.lora))

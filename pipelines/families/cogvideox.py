@@ -6,6 +6,12 @@ checkpoint's config says (the DPM one carries the previous step's x0 prediction 
 generator), rotary embeddings when the transformer uses them, CogVideoX 1.5's padding of the latent frames to its
 temporal patch (cut off again before the decode), and the decode by 1 / scaling_factor.
 
+A CogVideoXImageToVideoPipeline checkpoint (CogVideoX-5b-I2V, 1.5-I2V) animates the request's image (VideoRequest.image,
+/v1/videos' input_reference) as that pipeline's __call__ does: the image, resized to the output size, is VAE-encoded (a
+draw from the request's generator), scaled, and zero-padded to the latent frames; each step its latents ride beside the
+noisy ones on the channel axis (the transformer's in_channels are twice the latents'), with CogVideoX 1.5's `ofs`
+embedding when the transformer has one. A request that names no frame count gets that __call__'s 49.
+
 diffusers' use_dynamic_cfg (off by default) is not served: guidance is the request's constant guidance_scale.
 """
 
@@ -15,7 +21,7 @@ import functools
 from typing import Hashable
 
 import torch
-from diffusers import CogVideoXPipeline
+from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
 from diffusers.schedulers.scheduling_dpm_cogvideox import CogVideoXDPMScheduler
 
 from pipelines.families.video_base import VideoFamily
@@ -26,8 +32,9 @@ from stages.stage import WorkItem
 
 class CogVideoXFamily(VideoFamily):
     family = "cogvideox"
-    class_names = ("CogVideoXPipeline",)
-    pipelines_by_class = {"CogVideoXPipeline": {VideoTask.TEXT_TO_VIDEO: CogVideoXPipeline}}
+    class_names = ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")
+    pipelines_by_class = {"CogVideoXPipeline": {VideoTask.TEXT_TO_VIDEO: CogVideoXPipeline},
+                          "CogVideoXImageToVideoPipeline": {VideoTask.IMAGE_TO_VIDEO: CogVideoXImageToVideoPipeline}}
     default_steps = 50  # CogVideoXPipeline.__call__ defaults
     default_guidance = 6.0
     default_size = (720, 480)  # the size of the transformer's sample_width/height (the checkpoint's, see below)
@@ -42,8 +49,15 @@ class CogVideoXFamily(VideoFamily):
         return self.video.default_size or (config.sample_width * scale, config.sample_height * scale)
 
     @property
+    def image_to_video(self) -> bool:
+        """A CogVideoXImageToVideoPipeline checkpoint: its requests animate an image."""
+        return isinstance(self.pipe, CogVideoXImageToVideoPipeline)
+
+    @property
     def request_default_frames(self) -> int:
-        return self.video.default_frames or self.pipe.transformer.config.sample_frames
+        # CogVideoXPipeline.__call__: the transformer's sample_frames; the image-to-video __call__: 49
+        default = self.default_frames if self.image_to_video else self.pipe.transformer.config.sample_frames
+        return self.video.default_frames or default
 
     @property
     def size_factor(self) -> int:
@@ -88,15 +102,25 @@ class CogVideoXFamily(VideoFamily):
             additional_frames = config.patch_size_t - latent_frames % config.patch_size_t
             frames += additional_frames * view.vae_scale_factor_temporal
 
-        # 2.3 latents [1, F, C, h, w] in the embeddings' dtype, times the scheduler's init_noise_sigma
-        latents = view.prepare_latents(1, config.in_channels, frames, h, w, cond["embeds"].dtype, self.device,
-                                       generator)
+        # 2.3 latents [1, F, C, h, w] in the embeddings' dtype, times the scheduler's init_noise_sigma; image-to-video:
+        # the image's latents (encoded with a draw from the generator, first) beside them, zero-padded to F frames
+        dtype, image_latents = cond["embeds"].dtype, None
+        if req.task is VideoTask.TEXT_TO_VIDEO:
+            latents = view.prepare_latents(1, config.in_channels, frames, h, w, dtype, self.device, generator)
+        else:
+            image = view.video_processor.preprocess(req.image, height=h, width=w).to(self.device, dtype=dtype)
+            with self._vae_lock:
+                latents, image_latents = view.prepare_latents(image, 1, config.in_channels // 2, frames, h, w, dtype,
+                                                              self.device, generator)
 
         # 2.4 rotary embeddings of the (latent frames, height, width) grid: one pair for every request of this shape
         rotary = None
         if config.use_rotary_positional_embeddings:
             rotary = view._prepare_rotary_positional_embeddings(h, w, latents.size(1), self.device)
+        # 2.5 CogVideoX 1.5 I2V: the `ofs` embedding's input, one value for every row
+        ofs = None if image_latents is None or config.ofs_embed_dim is None else latents.new_full((1,), 2.0)
         item.state.update(scheduler=scheduler, timesteps=timesteps, total=len(timesteps), latents=latents,
+                          image_latents=image_latents, ofs=ofs,
                           rotary=rotary, generator=generator, old_pred_original_sample=None,
                           decode_extras={"additional_frames": additional_frames})
 
@@ -104,7 +128,7 @@ class CogVideoXFamily(VideoFamily):
     def denoise_key(self, item: WorkItem) -> Hashable:
         s, cond = item.state, item.inputs["cond"]
         return (tuple(s["latents"].shape[1:]), s["latents"].dtype, tuple(cond["embeds"].shape[1:]),
-                s["rotary"] is not None)
+                s["rotary"] is not None, s["image_latents"] is not None, s["ofs"] is not None)
 
     @torch.inference_mode()
     def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
@@ -114,6 +138,8 @@ class CogVideoXFamily(VideoFamily):
             t = s["timesteps"][s["i"]]
             rows = 2 if cond["cfg"] else 1
             x = s["scheduler"].scale_model_input(torch.cat([s["latents"]] * rows), t)
+            if s["image_latents"] is not None:  # image-to-video: [rows, F, 2C, h, w]
+                x = torch.cat([x, torch.cat([s["image_latents"]] * rows)], dim=2)
             hidden.append(x)
             timesteps.append(t.expand(rows))
             embeds.append(cond["embeds"])
@@ -121,6 +147,8 @@ class CogVideoXFamily(VideoFamily):
         batched = {"hidden_states": torch.cat(hidden), "encoder_hidden_states": torch.cat(embeds),
                    "timestep": torch.cat(timesteps)}
         shared = {"image_rotary_emb": items[0].state["rotary"]}  # equal for every item of one denoise key
+        if items[0].state["ofs"] is not None:
+            shared["ofs"] = items[0].state["ofs"]
         return [out.float() for out in self.denoise("transformer", items, sizes, batched, shared)]
 
     # -- speed-ups ----------------------------------------------------------------------------

@@ -20,8 +20,14 @@ ratio)` (request.extra['target_area']; the pipeline's 1024 * 1024), then goes bo
 at max_sequence_length) and through the VAE (the distribution's mode, normalised) as packed context latents
 concatenated after the noise tokens, with their own img_shapes entry. The output size is the request's, else the
 resized input's; the transformer's output is cut back to the noise tokens. The prompt cache keys an edit's
-embeddings by a digest of the resized image too. (QwenImageEditPlusPipeline takes several input images; an
-ImageRequest carries one, so it is not served.)
+embeddings by a digest of the resized image too.
+
+A QwenImageEditPlusPipeline checkpoint (Qwen-Image-Edit-2509 and later) edits one or several input images (a list in
+request.image, up to ImageLimits.max_images), mirroring its __call__: each image goes to the text encoder resized to
+about 384 * 384 pixels (CONDITION_IMAGE_SIZE; the template names them "Picture 1: ..., Picture 2: ...") and to the VAE
+resized to target_area (its VAE_IMAGE_SIZE, 1024 * 1024), each packed as context latents after the noise tokens with
+its own img_shapes entry; the output takes the last image's size at target_area unless the request names one. The
+prompt cache keys the embeddings by the digests of all the text encoder's images, in order.
 
 Step-level batching: the prompt and the negative prompt of one request may differ in length; one forward takes them
 padded to a common length with a mask (the pipeline runs two unpadded forwards: a mask moves the result by float
@@ -39,9 +45,10 @@ from typing import Any, Hashable
 
 import numpy as np
 import torch
-from diffusers import QwenImageEditPipeline, QwenImagePipeline
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE
 from PIL import Image
 
 from pipelines.families.base import ImageFamily, PackedLatents
@@ -59,22 +66,32 @@ EDIT_ROUND = 32  # calculate_dimensions rounds both sides to multiples of this
 
 @dataclasses.dataclass(frozen=True)
 class PromptImage:
-    """An edit's input image as the text encoder sees it (resized), identified in the prompt cache by its digest."""
+    """An edit's input images as the text encoder sees them (resized), identified in the prompt cache by a digest."""
 
-    digest: str  # sha256 of the resized image's size, mode and pixels
-    image: Image.Image = dataclasses.field(compare=False, hash=False, repr=False)
+    digest: str  # sha256 of each resized image's size, mode and pixels, in order
+    images: tuple[Image.Image, ...] = dataclasses.field(compare=False, hash=False, repr=False)
 
     @classmethod
-    def of(cls, image: Image.Image) -> "PromptImage":
-        digest = hashlib.sha256(f"{image.size}:{image.mode}:".encode() + image.tobytes()).hexdigest()
-        return cls(digest, image)
+    def of(cls, *images: Image.Image) -> "PromptImage":
+        digest = hashlib.sha256()
+        for image in images:
+            digest.update(f"{image.size}:{image.mode}:{len(image.tobytes())}:".encode() + image.tobytes())
+        return cls(digest.hexdigest(), images)
+
+    @property
+    def image(self) -> Image.Image:
+        """The one image of a single-image edit."""
+        assert len(self.images) == 1
+        return self.images[0]
 
 
 class QwenImageFamily(PackedLatents, ImageFamily):
     family = "qwen_image"
-    class_names = ("QwenImagePipeline", "QwenImageEditPipeline")
+    class_names = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
     pipeline_classes = {Task.TEXT_TO_IMAGE: QwenImagePipeline}
-    edit_pipeline_classes = {Task.IMAGE_TO_IMAGE: QwenImageEditPipeline}  # a QwenImageEditPipeline checkpoint's
+    # the edit checkpoints' classes (model_index.json `_class_name`): each serves image-to-image only
+    edit_classes = {"QwenImageEditPipeline": QwenImageEditPipeline,
+                    "QwenImageEditPlusPipeline": QwenImageEditPlusPipeline}
     default_steps = 50  # QwenImagePipeline.__call__ num_inference_steps
     default_guidance = 4.0  # its true_cfg_scale (applies with a negative prompt only)
 
@@ -84,12 +101,12 @@ class QwenImageFamily(PackedLatents, ImageFamily):
 
     def base_pipeline(self) -> tuple[Task, type[Any]]:
         index, _ = _read_index(self.path)
-        if index is not None and index.get("_class_name") == "QwenImageEditPipeline":
-            return Task.IMAGE_TO_IMAGE, QwenImageEditPipeline  # edits only: its __call__ needs an image
+        if index is not None and index.get("_class_name") in self.edit_classes:
+            return Task.IMAGE_TO_IMAGE, self.edit_classes[index["_class_name"]]  # edits only: __call__ needs an image
         return super().base_pipeline()
 
     def variants(self, base) -> dict[Task, type[Any]]:
-        return {} if isinstance(base, QwenImageEditPipeline) else super().variants(base)
+        return {} if isinstance(base, tuple(self.edit_classes.values())) else super().variants(base)
 
     # -- request knobs (request.extra) --------------------------------------------------------
     @staticmethod
@@ -107,8 +124,13 @@ class QwenImageFamily(PackedLatents, ImageFamily):
 
     @property
     def edits(self) -> bool:
-        """A QwenImageEditPipeline checkpoint: instruction edits of an input image."""
-        return isinstance(self.pipe, QwenImageEditPipeline)
+        """A QwenImageEditPipeline or QwenImageEditPlusPipeline checkpoint: instruction edits of input images."""
+        return isinstance(self.pipe, tuple(self.edit_classes.values()))
+
+    @property
+    def several_images(self) -> bool:
+        """A QwenImageEditPlusPipeline checkpoint edits one or several images (request.image a list)."""
+        return isinstance(self.pipe, QwenImageEditPlusPipeline)
 
     def validate(self, request: ImageRequest, limits: ImageLimits) -> ImageRequest:
         msl = request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
@@ -119,21 +141,25 @@ class QwenImageFamily(PackedLatents, ImageFamily):
         if isinstance(area, bool) or not isinstance(area, int) or not EDIT_ROUND ** 2 <= area <= limits.max_pixels:
             raise RequestError("target_area", f"target_area must be an integer between {EDIT_ROUND ** 2} and "
                                               f"{limits.max_pixels}; got {area!r}")
-        context = self.context_size(request)
-        if context is not None:
-            if min(context) < EDIT_ROUND:
-                raise RequestError("image", f"image is {request.image.size[0]}x{request.image.size[1]}: at "
-                                            f"target_area {area} its resized size is {context[0]}x{context[1]}; "
-                                            f"this model needs at least {EDIT_ROUND}x{EDIT_ROUND}",
-                                   code="image_too_small")
-            # as __call__: `height or calculated_height`, `width or calculated_width`, then down to the factor
+        contexts = self.context_sizes(request)
+        if contexts:
+            resized = [(image, size) for image, size in zip(self.input_images(request), contexts, strict=True)]
+            resized += [(image, size) for image, size in zip(self.input_images(request),
+                                                             self.condition_sizes(request), strict=True)]
+            for image, (w, h) in resized:
+                if min(w, h) < EDIT_ROUND:
+                    raise RequestError("image", f"image is {image.size[0]}x{image.size[1]}: resized to keep its "
+                                                f"aspect ratio it is {w}x{h}; this model needs at least "
+                                                f"{EDIT_ROUND}x{EDIT_ROUND}", code="image_too_small")
+            # as __call__: `height or calculated_height`, `width or calculated_width` (of the last image), then
+            # down to the factor
             factor = self.size_factor
-            width, height = request.width or context[0], request.height or context[1]
+            width, height = request.width or contexts[-1][0], request.height or contexts[-1][1]
             request = dataclasses.replace(request, width=width // factor * factor, height=height // factor * factor)
         return super().validate(request, limits)
 
     def edit_size(self, image: Image.Image) -> tuple[int, int] | None:
-        # an edit's output takes the input resized to target_area (validate, from context_size), as __call__ does
+        # an edit's output takes the (last) input resized to target_area (validate, from context_sizes), as __call__
         return None if self.edits else super().edit_size(image)
 
     def warm_request(self, width: int, height: int) -> ImageRequest:
@@ -144,32 +170,57 @@ class QwenImageFamily(PackedLatents, ImageFamily):
                             (128, 128, 128)), width=width, height=height, num_inference_steps=1, seed=0,
                             extra={"target_area": max(width * height, EDIT_ROUND ** 2)})
 
-    def context_size(self, request: ImageRequest) -> tuple[int, int] | None:
-        """(width, height) an edit's input image is resized to (for the text encoder and the VAE alike), as
-        QwenImageEditPipeline's calculate_dimensions; None: no input image."""
-        if not self.edits or request.task is not Task.IMAGE_TO_IMAGE or request.image is None:
-            return None
-        width, height = request.image.size
-        if min(width, height) < 1:
-            return (0, 0)
-        w, h, _ = calculate_dimensions(self.target_area(request), width / height)
-        return int(w), int(h)
+    @staticmethod
+    def input_images(request: ImageRequest) -> list[Image.Image]:
+        """An edit's input images in order (one, or Edit-Plus's several)."""
+        image = request.image
+        return [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+
+    def _resized_sizes(self, request: ImageRequest, area: int) -> list[tuple[int, int]]:
+        """(width, height) of each input image resized to about `area` pixels at its aspect ratio, as the edit
+        pipelines' calculate_dimensions; [] without input images (or for text-to-image)."""
+        if not self.edits or request.task is not Task.IMAGE_TO_IMAGE:
+            return []
+        sizes = []
+        for image in self.input_images(request):
+            width, height = image.size
+            if min(width, height) < 1:
+                sizes.append((0, 0))
+                continue
+            w, h, _ = calculate_dimensions(area, width / height)
+            sizes.append((int(w), int(h)))
+        return sizes
+
+    def context_sizes(self, request: ImageRequest) -> list[tuple[int, int]]:
+        """(width, height) each input image is resized to for the VAE (and, for Edit, the text encoder): at
+        target_area, as QwenImageEditPipeline's calculate_dimensions (Edit-Plus's VAE_IMAGE_SIZE). []: none."""
+        return self._resized_sizes(request, self.target_area(request))
+
+    def condition_sizes(self, request: ImageRequest) -> list[tuple[int, int]]:
+        """(width, height) each input image is resized to for the text encoder: Edit's context size, Edit-Plus's
+        CONDITION_IMAGE_SIZE area."""
+        if not self.several_images:
+            return self.context_sizes(request)
+        return self._resized_sizes(request, CONDITION_IMAGE_SIZE)
 
     def request_size(self, request: ImageRequest) -> Size:
-        """The context image's tokens ride along as extra 'frames' of the output's size (rounded up), so that memory
+        """The context images' tokens ride along as extra 'frames' of the output's size (rounded up), so that memory
         estimates grow with all the tokens one forward holds (as FLUX.1 Kontext's)."""
         width, height = request.width or 0, request.height or 0
-        context = self.context_size(request)
-        if context is None or not width * height:
+        contexts = self.context_sizes(request)
+        if not contexts or not width * height:
             return (width, height, 1)
-        return (width, height, 1 + math.ceil(context[0] * context[1] / (width * height)))
+        return (width, height, 1 + math.ceil(sum(w * h for w, h in contexts) / (width * height)))
 
     def prompt_image(self, request: ImageRequest) -> PromptImage | None:
-        """The resized input image the text encoder sees (__call__'s `prompt_image`); None without one."""
-        context = self.context_size(request)
-        if context is None:
+        """The resized input images the text encoder sees (__call__'s `prompt_image` / `condition_images`); None
+        without one."""
+        sizes = self.condition_sizes(request)
+        if not sizes:
             return None
-        return PromptImage.of(self.pipe.image_processor.resize(request.image, context[1], context[0]))
+        resize = self.pipe.image_processor.resize
+        return PromptImage.of(*[resize(image, h, w) for image, (w, h) in zip(self.input_images(request), sizes,
+                                                                                strict=True)])
 
     def uses_negative(self, request: ImageRequest) -> bool:
         # diffusers: do_true_cfg = true_cfg_scale > 1 and has_neg_prompt
@@ -200,8 +251,9 @@ class QwenImageFamily(PackedLatents, ImageFamily):
 
     def encode_text(self, text: str, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
                     image: PromptImage | None = None) -> dict[str, torch.Tensor]:
-        if image is not None:  # QwenImageEditPipeline.encode_prompt: the image through the processor's vision input
-            embeds, mask = self.pipe.encode_prompt(text, image=image.image, device=self.device, num_images_per_prompt=1)
+        if image is not None:  # the edit pipelines' encode_prompt: the images through the processor's vision input
+            images = list(image.images) if self.several_images else image.image  # Edit-Plus: "Picture i:" each
+            embeds, mask = self.pipe.encode_prompt(text, image=images, device=self.device, num_images_per_prompt=1)
             assert mask is None  # one prompt: no padding
             return {"embeds": embeds}
         embeds, mask = self.pipe.encode_prompt(text, self.device, 1, max_sequence_length=max_sequence_length)
@@ -230,15 +282,20 @@ class QwenImageFamily(PackedLatents, ImageFamily):
         h, w = req.height, req.width
         assert h is not None and w is not None  # validate() filled them
 
-        # 2.1 latents: packed noise [n, L, 4C], in the prompt embeddings' dtype; an edit's input image resized,
-        # VAE-encoded (the mode: no draw) and packed as context [n, L_image, 4C]
+        # 2.1 latents: packed noise [n, L, 4C], in the prompt embeddings' dtype; an edit's input images resized,
+        # VAE-encoded (the mode: no draw) and packed as context [n, L_image (summed over the images), 4C]
         channels = view.transformer.config.in_channels // 4
-        context, image_latents = self.context_size(req), None
-        if context is None:
+        contexts, image_latents = self.context_sizes(req), None
+        if not contexts:
             latents = view.prepare_latents(req.n, channels, h, w, cond["embeds"].dtype, self.device, generator)
         else:
-            image = view.image_processor.resize(req.image, context[1], context[0])
-            image = view.image_processor.preprocess(image, context[1], context[0]).unsqueeze(2)  # [1, 3, 1, H, W]
+            processor, images = view.image_processor, self.input_images(req)
+            if self.several_images:  # Edit-Plus preprocesses each image straight to its size: a list
+                image: Any = [processor.preprocess(im, ch, cw).unsqueeze(2) for im, (cw, ch) in zip(images, contexts,
+                                                                                                      strict=True)]
+            else:  # Edit resizes first
+                (cw, ch), = contexts
+                image = processor.preprocess(processor.resize(images[0], ch, cw), ch, cw).unsqueeze(2)  # [1,3,1,H,W]
             with self._vae_lock:
                 latents, image_latents = view.prepare_latents(image, req.n, channels, h, w, cond["embeds"].dtype,
                                                               self.device, generator)
@@ -259,11 +316,10 @@ class QwenImageFamily(PackedLatents, ImageFamily):
                                               sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
         scheduler.set_begin_index(0)
 
-        # 2.3 the RoPE grids: (frames, latent rows / 2, latent columns / 2) of the output, then of the context
+        # 2.3 the RoPE grids: (frames, latent rows / 2, latent columns / 2) of the output, then of each context
         factor = self.vae_scale_factor * 2
         grid: tuple[tuple[int, int, int], ...] = ((1, h // factor, w // factor),)  # as h // vae_scale_factor // 2
-        if context is not None:
-            grid += ((1, context[1] // factor, context[0] // factor),)
+        grid += tuple((1, ch // factor, cw // factor) for cw, ch in contexts)
         item.state.update(scheduler=scheduler, timesteps=timesteps, total=len(timesteps), latents=latents,
                           image_latents=image_latents, grid=grid, decode_extras={"height": h, "width": w})
 

@@ -28,14 +28,17 @@ async def create_image(body: ImageGenerationRequest, request: Request, tenant: s
 async def edit_image(request: Request, tenant: str = Depends(tenant_of)):
     engine = request.app.state.engine
     # 1. cheap: the form (or JSON with image references), its text fields, the model, every numeric field
+    max_images = engine.config.limits.max_images  # the models that edit several take up to this many
     if request.headers.get("content-type", "").startswith("application/json"):
-        upload = await read_edit_json(request)
+        upload = await read_edit_json(request, max_images=max_images)
     else:
-        upload = await read_edit_form(request, max_file_bytes=request.app.state.max_upload_bytes)
+        upload = await read_edit_form(request, max_file_bytes=request.app.state.max_upload_bytes,
+                                      max_images=max_images)
     params = ImageEditRequest.model_validate(upload.fields)
     task = Task.INPAINTING if upload.mask is not None else Task.IMAGE_TO_IMAGE
     model = resolve_image_model(engine, params.model, task)
     edit = params.image_request(task=task, tenant=tenant, strength=params.strength)
+    edit.uploaded_images = len(upload.image) if isinstance(upload.image, tuple) else 1
     engine.check_image(model, edit)  # every field, before any fetch or decode
     # 2. fetch referenced images (safely); the graph decodes them (media_decode), edits and encodes
     edit.source = await fetch_sources(engine, upload)

@@ -40,13 +40,14 @@ class EncodeImages:
 class DecodeImages:
     """The media_decode task of an edit: the uploaded image (and mask) bytes, and the fields errors name."""
 
-    image: bytes
+    image: bytes | tuple[bytes, ...]  # one image, or several (a tuple: the edit's image is a list) in order
     mask: bytes | None = None
     image_param: str = "image"  # "image" (multipart) or "images" (JSON references)
 
     def __repr__(self) -> str:  # never the bytes in a log line
         mask = f", mask {len(self.mask)} bytes" if self.mask is not None else ""
-        return f"DecodeImages({len(self.image)} bytes{mask}, param {self.image_param!r})"
+        sizes = [len(data) for data in self.image] if isinstance(self.image, tuple) else len(self.image)
+        return f"DecodeImages({sizes} bytes{mask}, param {self.image_param!r})"
 
 
 # decode(pool, task) -> what the task's bytes are, decoded in the pool's workers (it may submit several at once).
@@ -73,12 +74,16 @@ class MediaDecodeStage(Stage):
 
 
 def decode_images(limits: ImageDecodeLimits):
-    """The decode of an edit's upload: (image RGB, mask in the engine's convention or None), both at once."""
+    """The decode of an edit's upload: (image RGB, mask in the engine's convention or None), all at once. Several
+    images (a tuple of bytes) decode to a list of RGB images; an error names the first failing one's field."""
     def decode(pool: MediaPool, task: DecodeImages):
-        image = pool.submit("decode_image", task.image, limits, mode="RGB")
+        sources = task.image if isinstance(task.image, tuple) else (task.image,)
+        futures = [pool.submit("decode_image", data, limits, mode="RGB") for data in sources]
         mask = None if task.mask is None else pool.submit("decode_image", task.mask, limits, mode="RGBA")
-        decoded: DecodedImage = result_of(image, task.image_param)
-        return decoded.to_pil(), None if mask is None else edit_mask(result_of(mask, "mask").to_pil())
+        decoded: list[DecodedImage] = [result_of(future, task.image_param) for future in futures]
+        images = [image.to_pil() for image in decoded]
+        image = images if isinstance(task.image, tuple) else images[0]
+        return image, None if mask is None else edit_mask(result_of(mask, "mask").to_pil())
     return decode
 
 
