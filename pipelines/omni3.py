@@ -6,46 +6,67 @@ What the talker reads (`Qwen3OmniMoeForConditionalGeneration.generate`): the use
 positions: the thinker's input embedding through `text_projection`; media positions: the thinker's hidden state
 after `accept_hidden_layer` layers through `hidden_projection`), then the reply's start (its first tokens, the
 speaker's codec id, the codec's think / pad / bos ids), then one reply token a step (then text-end, then text-pad).
-The only thinker states it needs are at media placeholders, so for a prompt with media the talker stage recomputes
-the prompt up to its last placeholder through those layers (`media_hidden`: the thinker's own layers over a paged
-cache of its own; the llm stage keeps last-layer states only); a text prompt needs none.
+It reads tokens, not the thinker's last-layer states, so for a text prompt it streams from the thinker: the llm's
+deltas feed a `ReplyFeed`, which joins the talker's loop at the thinker's first token (the prompt is prefilled once
+the reply's first token is fed back; step k reads reply token k + 1, there once token k + 2 is sampled or the reply
+is over). The only thinker states it needs are at media
+placeholders: for a prompt with media the talker stage recomputes the prompt up to its last placeholder through
+those layers (`media_hidden`: the thinker's own layers over a paged cache of its own; the llm stage keeps last-layer
+states only) from the encoders' features, so there it starts after the thinker's reply.
 
-Each reply runs transformers' own talker `generate()` (its code predictor inside) on those inputs, with the global
-generator set to the request's seed for the call (`seeded_stream`): one seed gives `generate()`'s codes after
-`torch.manual_seed(seed)`, as the thinker's greedy reply draws nothing. Replies are not batched with each other yet
-(one talker call each; code2wav one reply a call) and not streamed.
+Every reply in the loop that can move takes one step together (`Talker3`): its code 0 drawn with `generate()`'s
+processors, then for the replies whose next text row is there the code predictor's steps for all of them at once
+(its other code groups) and one talker forward over their caches left-padded under a mask. Each reply draws from a
+generator of its own seeded with the request's seed, in `generate()`'s order (code 0, then the predictor's codes), so
+one seed gives `generate()`'s codes after `torch.manual_seed(seed)` (the thinker's greedy reply draws nothing).
+
+code2wav decodes a whole reply as `generate()` does (chunks of 300 codes, 25 of left context), or, streamed
+(`CodeChunks`), chunks of the codes as the talker makes them: each inside one of those 300-code spans, with up to
+`CONTEXT_CODES` codes of left context; the chunks' samples concatenate to the whole reply's waveform.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Hashable
+import threading
+from typing import Any, Callable, Hashable
 
 import torch
 
-from pipelines.omni import seeded_stream
+from pipelines.omni import SpeechOutput
+from pipelines.omni_talker import WAIT_S, ThinkerFeed
+from stages.events import EventKind, StageError
 from stages.llm import attention
 from stages.llm.multimodal import MediaSpan, attach_features, in_span_order, mrope_positions, splice
 from stages.llm.stage import GenerationRequest
 from stages.pool import PoolConfig
-from stages.stage import Stage, WorkItem
+from stages.stage import LoopStage, Stage, WorkItem
 
 SAMPLE_RATE = 24000  # code2wav's output
-CODE2WAV_POOL = PoolConfig(max_batch_size=1, max_queue=256)  # one reply a call (a default: ModelSpec.pools rules)
+CODE2WAV_POOL = PoolConfig(max_batch_size=1, max_queue=256)  # one reply (or chunk) a call (ModelSpec.pools rules)
+DECODE_SPAN, DECODE_CONTEXT = 300, 25  # generate()'s chunked_decode: spans of 300 codes, each with 25 of left context
+# A streamed reply's chunks: the first of FIRST_CHUNK codes (the first audio comes early), each later one twice the
+# one before up to MAX_CHUNK, each decoded with CONTEXT_CODES codes of left context (docs/omni.md: measured error)
+FIRST_CHUNK, MAX_CHUNK, CONTEXT_CODES = 4, 64, 25
 
 
-@dataclass(frozen=True)
-class Talker3Job:
-    """One reply for the talker: the thinker's prompt and reply ids, its states at the prompt's media placeholders,
-    the media's geometry (the talker's rope index reads it), the speaker and the seed."""
+class ReplyFeed(ThinkerFeed):
+    """A spoken request's thinker reply as the llm writes it (the llm ⇢ talker edge's splitter, one piece): the
+    prompt's ids, the reply's ids, and whether it is over. Qwen3-Omni's talker reads no thinker state: the deltas'
+    states are dropped."""
 
-    prompt_ids: list[int]
-    reply_ids: list[int]
-    media_hidden: torch.Tensor | None  # [media placeholders, H]: after accept_hidden_layer layers; None: no media
-    audio_frames: tuple[int, ...]  # mel frames of each audio clip, in prompt order
-    image_grids: tuple[tuple[int, int, int], ...]  # (t, h, w) patches of each image, in prompt order
-    speaker: str
-    seed: int
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        return super().feed({**delta, "hidden": torch.zeros(0)})
+
+    def fed(self) -> int:
+        """Reply tokens the thinker has fed back (all but the last sampled): the ones sure to be spoken."""
+        return max(0, len(self.reply_ids) - 1)
+
+    @classmethod
+    def whole(cls, wake: threading.Condition, prompt_ids: list[int], reply_ids: list[int]) -> "ReplyFeed":
+        """A reply already written (the talker after the thinker's reply)."""
+        feed = cls(wake)
+        feed.prompt_ids, feed.reply_ids, feed.done = list(prompt_ids), list(reply_ids), True
+        return feed
 
 
 class Omni3Voice:
@@ -70,6 +91,12 @@ class Omni3Voice:
         del full
         self.thinker = thinker
         self.device = torch.device(device)
+        self.hop = int(self.code2wav.total_upsample)  # samples a code
+        with torch.inference_mode():  # a decode of n codes makes n * hop - lost samples (its last ones need more)
+            one = torch.zeros(1, self.config.code2wav_config.num_quantizers, 1, dtype=torch.long, device=self.device)
+            self.lost = self.hop - self.code2wav(one).shape[-1]
+            special = torch.tensor([config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id])
+            self.tts_bos, self.tts_eos, self.tts_pad = self.text_rows(special).unbind(0)  # [H] each
 
     @property
     def voices(self) -> tuple[str, ...]:
@@ -104,16 +131,28 @@ class Omni3Voice:
             hidden = lm.norm(hidden)
         return hidden[0, where]
 
-    def talker_inputs(self, job: Talker3Job) -> dict[str, Any]:
-        """`generate()`'s talker inputs for one reply (its batch of one): the user turns (text and media rows), the
-        reply's start, the rest of the reply a step at a time, and the media geometry for the talker's rope index."""
+    def text_rows(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """Tokens as the talker reads text: the thinker's input embeddings through `text_projection` [len, H]."""
+        embed = self.thinker.get_input_embeddings()
+        tokens = torch.as_tensor(ids, dtype=torch.long, device=embed.weight.device)
+        return self.talker.text_projection(embed(tokens).to(self.device, self.talker.dtype))
+
+    def assistant_start(self, prompt_ids: list[int]) -> int:
+        """Where the reply's turn starts in the prompt: its last `<|im_start|>assistant`."""
+        config = self.config
+        return max(i for i in range(len(prompt_ids) - 1) if prompt_ids[i] == config.im_start_token_id
+                   and prompt_ids[i + 1] == config.assistant_token_id)
+
+    def talker_prompt(self, prompt_ids: list[int], head: list[int], media_hidden: torch.Tensor | None,
+                      speaker: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`generate()`'s talker prompt for one reply: embeddings [1, T, H] and ids [1, T] (its rope index reads them)
+        of the user turns (text and media rows), then the reply's start: `head` (the turn's first 4 tokens from its
+        `<|im_start|>`: the role's, then the reply's first) with the speaker and the codec's control ids."""
         config, talker = self.config, self.talker
         codec = config.talker_config
-        embed = self.thinker.get_input_embeddings()
-        dev = embed.weight.device
-        n = len(job.prompt_ids)
-        ids = torch.tensor([job.prompt_ids], device=dev)  # [1, n]
-        fed = embed(torch.tensor([job.prompt_ids + job.reply_ids[:-1]], device=dev))  # [1, n + g - 1, H]
+        dev = self.device
+        n = len(prompt_ids)
+        ids = torch.tensor([prompt_ids], device=dev)  # [1, n]
         # 1. user turns: every position whose role (the token after its last <|im_start|>) is the user's
         positions = torch.arange(n, device=dev)[None]
         starts = torch.where(ids == config.im_start_token_id, positions, positions.new_full((), -1))
@@ -122,71 +161,369 @@ class Omni3Voice:
         thinker = config.thinker_config
         media = torch.isin(ids, torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id],
                                              device=dev))
-        user_rows = torch.empty((1, n, codec.text_config.hidden_size), device=dev, dtype=talker.dtype)
+        user_rows = torch.zeros((1, n, codec.text_config.hidden_size), device=dev, dtype=talker.dtype)
         if media.any():
-            assert job.media_hidden is not None  # the stage computes them for a prompt with media
-            user_rows[media] = talker.hidden_projection(job.media_hidden.to(dev))
-        user_rows[~media] = talker.text_projection(fed[:, :n][~media])
+            assert media_hidden is not None  # the stage computes them for a prompt with media
+            user_rows[media] = talker.hidden_projection(media_hidden.to(dev, talker.dtype))
+        user_rows[~media] = self.text_rows(ids[~media])
         user_embeds, user_ids = user_rows[user][None], ids[user][None]
         # 2. the reply's start: its role tokens and first token, the speaker and the codec's control ids
-        start = int(torch.nonzero((ids[0, :-1] == config.im_start_token_id) &
-                                  (ids[0, 1:] == config.assistant_token_id)).flatten()[-1])
-        special = torch.tensor([[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]],
-                               device=dev)
-        tts_bos, tts_eos, tts_pad = talker.text_projection(embed(special)).chunk(3, dim=1)  # 3 x [1, 1, H]
-        reply = talker.text_projection(fed[:, start:])
-        text_part = torch.cat((reply[:, :3], tts_pad.expand(1, 4, -1), tts_bos, reply[:, 3:4]), dim=1)
+        start = self.text_rows(head)[None]  # [1, 4, H]
+        text_part = torch.cat((start[:, :3], self.tts_pad.expand(1, 4, -1), self.tts_bos[None, None], start[:, 3:4]),
+                              dim=1)
         controls = torch.tensor([[codec.codec_nothink_id, codec.codec_think_bos_id, codec.codec_think_eos_id,
-                                  codec.speaker_id[job.speaker], codec.codec_pad_id, codec.codec_bos_id]], device=dev)
+                                  codec.speaker_id[speaker], codec.codec_pad_id, codec.codec_bos_id]], device=dev)
         codec_part = torch.cat((torch.zeros((1, 3, codec.text_config.hidden_size), device=dev, dtype=talker.dtype),
                                 talker.get_input_embeddings()(controls)), dim=1)
-        # 3. the rest of the reply, one token a step, then text-end. (generate() moves each row's text-end to just
-        # after its own eos in a batch; a reply alone ends at its eos: there it changes nothing.)
-        trailing = torch.cat((reply[:, 4:], tts_eos), dim=1)
         assistant_ids = torch.full((1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=dev)
-        embeds = torch.cat((user_embeds, text_part + codec_part), dim=1)
-        inputs: dict[str, Any] = dict(inputs_embeds=embeds, trailing_text_hidden=trailing, tts_pad_embed=tts_pad,
-                                      talker_input_ids=torch.cat((user_ids, assistant_ids), dim=1),
-                                      attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long, device=dev))
-        if job.audio_frames:
-            inputs["audio_feature_lengths"] = torch.tensor(job.audio_frames, device=dev)
-        if job.image_grids:
-            inputs["image_grid_thw"] = torch.tensor(job.image_grids, device=dev)
-        return inputs
-
-    @torch.inference_mode()
-    def codes(self, job: Talker3Job, max_codes: int) -> torch.Tensor:
-        """One reply's codes [code groups, frames] (no frames for a reply of one token, or a talker that ends at
-        once): transformers' talker `generate()` with `generate()`'s sampling (temperature 0.9, top-k 50, repetition
-        penalty 1.05, the codec's control ids suppressed but its eos), drawing from the request's seed."""
-        codec = self.config.talker_config
-        groups = codec.num_code_groups
-        if len(job.reply_ids) < 2:  # generate() needs a fed reply token for the reply's start
-            return torch.zeros(groups, 0, dtype=torch.long)
-        vocab = codec.text_config.vocab_size
-        suppressed = [i for i in range(vocab - 1024, vocab) if i != codec.codec_eos_token_id]
-        with seeded_stream(self.device, job.seed):  # its lock also keeps other requests off the talker's state
-            result = self.talker.generate(**self.talker_inputs(job), max_new_tokens=max_codes, do_sample=True,
-                                          top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
-                                          eos_token_id=codec.codec_eos_token_id, suppress_tokens=suppressed,
-                                          output_hidden_states=True, return_dict_in_generate=True)
-        frames = [step[-1] for step in result.hidden_states if step[-1] is not None]  # each fed code's groups
-        if not frames:
-            return torch.zeros(groups, 0, dtype=torch.long)
-        return torch.cat(frames, dim=0).T.cpu()  # [groups, frames]
+        return torch.cat((user_embeds, text_part + codec_part), dim=1), torch.cat((user_ids, assistant_ids), dim=1)
 
     @torch.inference_mode()
     def waveform(self, codes: torch.Tensor) -> torch.Tensor:
-        """code2wav, as `generate()` decodes one reply (chunks of 300 frames, 25 of left context): float32 [samples]
+        """code2wav, as `generate()` decodes one reply (spans of 300 codes, 25 of left context): float32 [samples]
         at 24 kHz."""
         if codes.shape[1] == 0:
             return torch.zeros(0)
-        wav = self.code2wav.chunked_decode(codes[None].to(self.device), chunk_size=300, left_context_size=25)
+        wav = self.code2wav.chunked_decode(codes[None].to(self.device), chunk_size=DECODE_SPAN,
+                                           left_context_size=DECODE_CONTEXT)
         return wav.reshape(-1).float().cpu()
 
+    @torch.inference_mode()
+    def chunk(self, window: torch.Tensor, context: int, opens_span: bool) -> torch.Tensor:
+        """A streamed chunk's samples: code2wav on `window` [groups, codes] (`context` codes of left context, then
+        the chunk), the chunk's share of the whole reply's waveform. A decode's last `lost` samples need the codes
+        after it: the chunk that opens a span (as generate() decodes it) starts at its first code's samples, a later
+        one `lost` samples before (the ones the chunk before it could not make)."""
+        wav = self.code2wav(window[None].to(self.device)).reshape(-1).float().cpu()
+        return wav[context * self.hop - (0 if opens_span else self.lost):]
 
-class _Speech3Stage(Stage):
-    """A stage of one model's speech half: every item of the model batches with every other."""
+class Talker3Row:
+    """A reply being spoken: its feed, the media it read (states and geometry), its own cache (unpadded) and rope
+    offset, the logits of its next code 0 and the talker's last state (None while a drawn code waits to be fed), its
+    drawn codes 0 (the repetition penalty's sequence), its frames and its generator."""
+
+    def __init__(self, feed: ReplyFeed, speech: SpeechOutput, media: tuple[torch.Tensor | None, tuple, tuple],
+                 on_frame: Callable[[list[int]], Any] | None, device: torch.device):
+        self.feed, self.speech, self.on_frame = feed, speech, on_frame
+        self.media_hidden, self.audio_frames, self.image_grids = media
+        self.head: list[int] = []  # the prompt from the reply turn's <|im_start|> (set at open)
+        self.cache: Any = None
+        self.delta = 0  # 3-D position - cache position (the talker's rope index)
+        self.logits: torch.Tensor | None = None  # [1, V]
+        self.hidden: torch.Tensor | None = None  # [1, 1, H]
+        self.code: int | None = None  # code 0 drawn, waiting to be fed
+        self.sequence: list[int] = []
+        self.frames: list[list[int]] = []
+        self.generator = torch.Generator(device).manual_seed(speech.seed)
+        self.finished = False
+
+    @property
+    def length(self) -> int:  # positions in its cache
+        return self.cache.layers[0].keys.shape[2]
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """A code drawn from `probs` [1, V] with this row's generator, as generate()'s multinomial draws alone."""
+        return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
+
+    def codes(self, groups: int) -> torch.Tensor:
+        """Its frames as code2wav reads them [groups, frames]."""
+        if not self.frames:
+            return torch.zeros(groups, 0, dtype=torch.long)
+        return torch.tensor(self.frames, dtype=torch.long).T
+
+
+class Talker3:
+    """The talker's steps over rows: opening (the prompt, prefilled alone), drawing code 0, feeding (the code
+    predictor's steps, then one talker forward), each with `generate()`'s sampling."""
+
+    def __init__(self, voice: Omni3Voice, max_codes: int):
+        from transformers.generation.logits_process import (
+            RepetitionPenaltyLogitsProcessor,
+            SuppressTokensLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.voice, self.max_codes = voice, max_codes  # max_codes: generate()'s talker_max_new_tokens
+        codec = voice.config.talker_config
+        vocab = codec.text_config.vocab_size
+        self.groups, self.eos = codec.num_code_groups, codec.codec_eos_token_id
+        # generate()'s talker sampling, in its order: repetition penalty 1.05 over the codes drawn, the codec's
+        # control ids (its top 1024) suppressed but its eos, temperature 0.9, top-k 50 (top-p 1.0: none)
+        self.penalty = RepetitionPenaltyLogitsProcessor(1.05)
+        self.processors = (SuppressTokensLogitsProcessor([i for i in range(vocab - 1024, vocab) if i != self.eos],
+                                                         device=str(voice.device)),
+                           TemperatureLogitsWarper(0.9), TopKLogitsWarper(50))
+        # the code predictor's (the talker's prepare_inputs_for_generation): its generation config's temperature,
+        # top-k 50, top-p 0.8
+        temperature = voice.talker.code_predictor.generation_config.temperature
+        self.predictor_processors = ((TemperatureLogitsWarper(temperature),) if temperature not in (None, 1.0) else
+                                     ()) + (TopKLogitsWarper(50), TopPLogitsWarper(0.8))
+
+    def text(self, row: Talker3Row, i: int) -> int | torch.Tensor | None:
+        """Token i of the reply's turn as the talker reads it (its `<|im_start|>` is token 0): a token id while the
+        thinker has fed it back, then text-end's row, then text-pad's; None while it may still come."""
+        feed = row.feed
+        with feed.wake:
+            fed, done = feed.fed(), feed.done
+            if i < len(row.head):
+                return row.head[i]
+            if i - len(row.head) < fed:
+                return feed.reply_ids[i - len(row.head)]
+        if not done:
+            return None
+        return self.voice.tts_eos if i == len(row.head) + fed else self.voice.tts_pad
+
+    def can_open(self, row: Talker3Row) -> bool:
+        feed = row.feed
+        with feed.wake:
+            if feed.prompt_ids is None:
+                return False
+            if not row.head:
+                row.head = feed.prompt_ids[self.voice.assistant_start(feed.prompt_ids):]
+        return feed.done or isinstance(self.text(row, 3), int)
+
+    def can_move(self, row: Talker3Row) -> bool:
+        """A step would advance it: open it, draw its next code 0, or feed the code it drew."""
+        if row.finished:
+            return False
+        if row.cache is None:
+            return self.can_open(row)
+        return row.logits is not None or self.text(row, 4 + len(row.frames)) is not None
+
+    def open(self, row: Talker3Row) -> None:
+        """The talker's prompt (`Omni3Voice.talker_prompt`), prefilled alone at generate()'s positions (its rope
+        index over the prompt's media). A reply whose turn has no fed token says nothing (generate() needs one)."""
+        from transformers import DynamicCache
+
+        voice, talker = self.voice, self.voice.talker
+        head = [self.text(row, i) for i in range(4)]
+        if not all(isinstance(token, int) for token in head):
+            row.finished = True
+            return
+        prompt_ids = row.feed.prompt_ids
+        assert prompt_ids is not None
+        embeds, ids = voice.talker_prompt(prompt_ids, head, row.media_hidden, row.speech.voice)  # type: ignore[arg-type]
+        mask = torch.ones(ids.shape, dtype=torch.long, device=voice.device)
+        positions = torch.arange(ids.shape[1], device=voice.device)[None, None]
+        if row.audio_frames or row.image_grids:
+            grids = torch.tensor(row.image_grids, device=voice.device) if row.image_grids else None
+            frames = torch.tensor(row.audio_frames, device=voice.device) if row.audio_frames else None
+            rope, deltas = talker.get_rope_index(ids, grids, None, mask, False, frames, None)
+            row.delta = int(deltas[0, 0])
+        else:
+            rope = positions.expand(3, 1, -1)
+        out = talker.model(inputs_embeds=embeds, attention_mask=mask, position_ids=torch.cat((positions, rope)),
+                           cache=DynamicCache(), use_cache=True)
+        row.cache, row.hidden = out.cache, out.last_hidden_state[:, -1:]
+        row.logits = talker.codec_head(out.last_hidden_state)[:, -1].float()
+
+    def sample(self, rows: list[Talker3Row]) -> None:
+        """generate()'s draw of each row's next code 0 (the repetition penalty over each row's own codes, the other
+        processors over all rows at once), each from the row's generator. A row ends at the codec's eos or once it
+        drew `max_codes` (generate()'s last draw is never fed)."""
+        scores = torch.cat([self.penalty(torch.tensor([row.sequence], dtype=torch.long, device=self.voice.device),
+                                         row.logits) for row in rows if row.logits is not None])
+        for process in self.processors:
+            scores = process(None, scores)  # these read the scores only
+        probs = torch.softmax(scores, dim=-1)
+        for b, row in enumerate(rows):
+            code = row.draw(probs[b:b + 1])
+            row.sequence.append(code)
+            row.logits = None
+            row.finished = code == self.eos or len(row.sequence) >= self.max_codes
+            row.code = None if row.finished else code
+
+    def feed(self, rows: list[Talker3Row]) -> None:
+        """The rows' drawn codes fed: the code predictor's steps for all of them (its prefill of the talker's last
+        state and the code's embedding, then one code group a step, each row drawing from its generator), then one
+        talker forward of each frame's embeddings (summed) plus the reply's next text row, each row at its own
+        position over the rows' caches left-padded to one length."""
+        from transformers import DynamicCache
+
+        voice, talker = self.voice, self.voice.talker
+        device = voice.device
+        texts = [self.text(row, 4 + len(row.frames)) for row in rows]
+        tokens = [t for t in texts if isinstance(t, int)]
+        projected = iter(voice.text_rows(tokens) if tokens else ())
+        text = torch.stack([next(projected) if isinstance(t, int) else t for t in texts])[:, None]  # type: ignore[misc]
+        # the code predictor: generate() of num_code_groups - 1 codes, for every row at once
+        predictor = talker.code_predictor
+        frames: list[list[int]] = [[row.code] for row in rows if row.code is not None]
+        states = [row.hidden for row in rows if row.hidden is not None]
+        codes = torch.tensor(frames, device=device)  # [B, 1]
+        parts = [talker.get_input_embeddings()(codes)]  # each code's embedding [B, 1, H]
+        cache = DynamicCache()
+        hidden = predictor.model(inputs_embeds=torch.cat([torch.cat(states), parts[0]], dim=1), cache=cache,
+                                 use_cache=True).last_hidden_state
+        for step in range(1, self.groups):
+            scores = predictor.lm_head[step - 1](hidden)[:, -1].float()
+            for process in self.predictor_processors:
+                scores = process(None, scores)
+            probs = torch.softmax(scores, dim=-1)
+            drawn = [row.draw(probs[b:b + 1]) for b, row in enumerate(rows)]
+            for frame, code in zip(frames, drawn):
+                frame.append(code)
+            parts.append(predictor.model.codec_embedding[step - 1](torch.tensor(drawn, device=device)[:, None]))
+            if step < self.groups - 1:
+                hidden = predictor.model(inputs_embeds=parts[-1], cache=cache, use_cache=True).last_hidden_state
+        embeds = torch.cat(parts, dim=1).sum(1, keepdim=True) + text.to(device, talker.dtype)
+        # the talker's step
+        longest = max(row.length for row in rows)
+        padded = DynamicCache()
+        for layer in range(len(rows[0].cache.layers)):
+            keys, values = [], []
+            for row in rows:
+                pad = longest - row.length
+                keys.append(torch.nn.functional.pad(row.cache.layers[layer].keys, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(row.cache.layers[layer].values, (0, 0, pad, 0)))
+            padded.update(torch.cat(keys), torch.cat(values), layer)
+        mask = torch.zeros(len(rows), longest + 1, dtype=torch.long, device=device)
+        for b, row in enumerate(rows):
+            mask[b, longest - row.length:] = 1
+        positions = torch.tensor([[row.length + row.delta] for row in rows], device=device)
+        out = talker.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
+                           cache=padded, use_cache=True)
+        logits = talker.codec_head(out.last_hidden_state)[:, -1].float()
+        for b, (row, frame) in enumerate(zip(rows, frames)):
+            pad = longest - row.length
+            for kept, layer in zip(out.cache.layers, row.cache.layers):
+                layer.keys, layer.values = kept.keys[b:b + 1, :, pad:], kept.values[b:b + 1, :, pad:]
+            row.hidden, row.logits, row.code = out.last_hidden_state[b:b + 1, -1:], logits[b:b + 1], None
+            row.frames.append(frame)
+            if row.on_frame is not None:
+                row.on_frame(frame)
+
+
+class Talker3Stage(LoopStage):
+    """The talker's loop: a reply joins once its turn's first tokens are there (a `ReplyFeed` piece streamed from
+    the thinker, or, for a prompt with media, after the thinker's reply with the encoders' features) and steps with
+    the others; a streamed reply's frames go out as DELTAs {"codes": [frame]} (a frame: one code of each group). Its
+    outputs are the codes [groups, frames] (and, after the thinker's reply, the llm's choices and usage)."""
+
+    kind = "talker"
+
+    def __init__(self, model: str, voice: Omni3Voice, max_codes: int = 4096):
+        self.model = model
+        self.voice = voice
+        self.talker = Talker3(voice, max_codes)
+        self.wake = threading.Condition()  # the feeds' (ReplyFeed.wake)
+
+    def batch_key(self, item: WorkItem) -> Hashable:
+        return self.model
+
+    def feed(self) -> ReplyFeed:
+        """A request's streaming edge from its thinker (the splitter the graph makes per request)."""
+        return ReplyFeed(self.wake)
+
+    def start(self, item: WorkItem) -> None:
+        speech: SpeechOutput = item.inputs["speech"]
+        feed: ReplyFeed | None = item.inputs.get("thinker")
+        media: tuple[torch.Tensor | None, tuple, tuple] = (None, (), ())
+        if feed is None:  # after the thinker's reply: the prompt's media states are recomputed from their features
+            request: GenerationRequest = item.inputs["request"]
+            choice = item.inputs["choices"][0]
+            choice.pop("hidden", None)  # the llm's last-layer states: this talker reads other ones
+            feed = ReplyFeed.whole(self.wake, list(request.prompt_ids), choice["token_ids"])
+            if request.media:
+                features = in_span_order(request.media, item.inputs.get("features"), item.inputs.get("audio_features"))
+                spans = attach_features(request.media, features, num_tokens=len(request.prompt_ids),
+                                        hidden_size=self.voice.thinker.config.text_config.hidden_size)
+                tasks = (*item.inputs.get("media", ()), *item.inputs.get("audio_media", ()))
+                media = (self.voice.media_hidden(request, spans),
+                         tuple(t.geometry.audio_frames for t in tasks if t.geometry.kind == "audio"),
+                         tuple(t.geometry.grid_thw for t in tasks if t.geometry.kind == "image"))
+        told = (lambda frame: item.emit(EventKind.DELTA, codes=[frame])) if speech.stream else None
+        item.state["row"] = Talker3Row(feed, speech, media, told, self.voice.device)
+
+    def ready(self, item: WorkItem) -> bool:
+        return self.talker.can_move(item.state["row"])
+
+    def wait(self, items: list[WorkItem]) -> None:
+        with self.wake:
+            if not any(self.ready(item) for item in items):
+                self.wake.wait(WAIT_S)
+
+    @torch.inference_mode()
+    def step(self, items: list[WorkItem]) -> None:
+        talker = self.talker
+        rows: list[Talker3Row] = [item.state["row"] for item in items]
+        for row in rows:
+            if row.cache is None and not row.finished and talker.can_open(row):
+                talker.open(row)
+        drawing = [row for row in rows if row.logits is not None and not row.finished]
+        if drawing:
+            talker.sample(drawing)
+        feeding = [row for row in rows if row.code is not None and talker.text(row, 4 + len(row.frames)) is not None]
+        if feeding:
+            talker.feed(feeding)
+
+    def is_done(self, item: WorkItem) -> bool:
+        return item.state["row"].finished
+
+    def finish(self, item: WorkItem) -> dict[str, Any]:
+        row: Talker3Row = item.state.pop("row")
+        outputs: dict[str, Any] = {"codes": row.codes(self.talker.groups)}
+        if "choices" in item.inputs:  # after the thinker's reply: its choices and usage pass on
+            outputs |= {"choices": item.inputs["choices"], "usage": item.inputs["usage"]}
+        return outputs
+
+    def abort(self, item: WorkItem) -> None:
+        item.state.pop("row", None)
+
+
+def talked3(inputs: dict[str, Any]) -> dict[str, Any]:
+    """A whole reply's code2wav inputs: the codes, choices and usage, from a talker streamed from the thinker (its
+    one piece, and the llm's outputs) or after it (its own)."""
+    if "pieces" not in inputs:
+        return inputs
+    thinker = inputs["llm"]
+    if not inputs["pieces"]:
+        raise StageError("internal_error", "the talker ended without its reply")
+    return {**inputs, "codes": inputs["pieces"][0]["codes"], "choices": thinker["choices"], "usage": thinker["usage"]}
+
+
+class CodeChunks:
+    """A streamed reply's cut of its talker's frames into code2wav chunks: a first of `chunk` codes, each later one
+    twice the one before up to `max_chunk`, none across generate()'s 300-code decode spans. A chunk that opens a span
+    is decoded with that span's own left context (as generate() decodes it); a later one with up to `context` codes
+    before it in its span. A chunk is cut as soon as its last frame is drawn (code2wav is causal)."""
+
+    def __init__(self, chunk: int = FIRST_CHUNK, max_chunk: int = MAX_CHUNK, context: int = CONTEXT_CODES):
+        self.chunk, self.max_chunk, self.context = chunk, max(chunk, max_chunk), max(1, context)
+        self.frames: list[list[int]] = []
+        self.start = 0  # the next chunk's first code
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        self.frames += delta["codes"]
+        return self._cut(done=False)
+
+    def flush(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._cut(done=True)  # every frame came as a delta
+
+    def _cut(self, done: bool) -> list[dict[str, Any]]:
+        pieces, n = [], len(self.frames)
+        while self.start < n:
+            span = self.start - self.start % DECODE_SPAN
+            end = min(self.start + self.chunk, span + DECODE_SPAN)
+            if end > n and not done:
+                break
+            end = min(end, n)
+            opens = self.start == span
+            lowest = span - (DECODE_CONTEXT if span - DECODE_CONTEXT > 0 else span)  # generate()'s context
+            first = lowest if opens else max(lowest, self.start - self.context)
+            pieces.append({"window": torch.tensor(self.frames[first:end], dtype=torch.long).T,
+                           "context": self.start - first, "opens_span": opens})
+            self.start, self.chunk = end, min(2 * self.chunk, self.max_chunk)
+        return pieces
+
+
+class Code2WavStage(Stage):
+    """Codes -> a 24 kHz waveform, one reply a call; a streamed reply's chunk (a piece: `CodeChunks`) is told as a
+    DELTA {"audio", "sample_rate"}, as Qwen2.5-Omni's vocoder tells its chunks."""
+
+    kind = "code2wav"
 
     def __init__(self, model: str, voice: Omni3Voice):
         self.model = model
@@ -195,44 +532,23 @@ class _Speech3Stage(Stage):
     def batch_key(self, item: WorkItem) -> Hashable:
         return self.model
 
-
-class Talker3Stage(_Speech3Stage):
-    """The thinker's reply (its prompt, tokens, and the media's features and geometry) -> codes; the llm's choices
-    and usage pass on."""
-
-    kind = "talker"
-
-    def __init__(self, model: str, voice: Omni3Voice, max_codes: int = 4096):
-        super().__init__(model, voice)
-        self.max_codes = max_codes  # generate()'s talker_max_new_tokens
-
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         outputs = []
         for item in items:
-            request: GenerationRequest = item.inputs["request"]
-            choice = item.inputs["choices"][0]
-            choice.pop("hidden", None)  # the llm's last-layer states: this talker reads other ones
-            hidden = None
-            if request.media:
-                features = in_span_order(request.media, item.inputs.get("features"), item.inputs.get("audio_features"))
-                spans = attach_features(request.media, features, num_tokens=len(request.prompt_ids),
-                                        hidden_size=self.voice.thinker.config.text_config.hidden_size)
-                hidden = self.voice.media_hidden(request, spans)
-            tasks = (*item.inputs.get("media", ()), *item.inputs.get("audio_media", ()))
-            job = Talker3Job(list(request.prompt_ids), choice["token_ids"], hidden,
-                             tuple(t.geometry.audio_frames for t in tasks if t.geometry.kind == "audio"),
-                             tuple(t.geometry.grid_thw for t in tasks if t.geometry.kind == "image"),
-                             item.inputs["speech"].voice, item.inputs["speech"].seed)
-            outputs.append({"codes": self.voice.codes(job, self.max_codes), "choices": item.inputs["choices"],
-                            "usage": item.inputs["usage"]})
+            if item.piece is None:
+                outputs.append({"choices": item.inputs["choices"], "usage": item.inputs["usage"],
+                                "audio": self.voice.waveform(item.inputs["codes"]), "sample_rate": SAMPLE_RATE})
+                continue
+            audio = self.voice.chunk(item.inputs["window"], item.inputs["context"], item.inputs["opens_span"])
+            item.emit(EventKind.DELTA, audio=audio, sample_rate=SAMPLE_RATE)
+            outputs.append({"audio": audio})
         return outputs
 
 
-class Code2WavStage(_Speech3Stage):
-    """Codes -> a 24 kHz waveform, one reply a call."""
-
-    kind = "code2wav"
-
-    def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        return [{"choices": item.inputs["choices"], "usage": item.inputs["usage"],
-                 "audio": self.voice.waveform(item.inputs["codes"]), "sample_rate": SAMPLE_RATE} for item in items]
+def streamed_reply3(outputs: dict[str, Any]) -> dict[str, Any]:
+    """A streamed spoken request's outputs (its chunks' pieces, the talker's) as a whole one's: choices, usage, the
+    chunks' audio joined, the sample rate."""
+    talker = outputs["talker"]
+    thinker = talker.get("llm", talker)  # streamed from the thinker, or after it
+    audio = torch.cat([torch.zeros(0), *(piece["audio"] for piece in outputs["pieces"])])
+    return {"choices": thinker["choices"], "usage": thinker["usage"], "audio": audio, "sample_rate": SAMPLE_RATE}

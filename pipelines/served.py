@@ -33,7 +33,15 @@ from pipelines.omni import (
     not_speaking,
     streamed_reply,
 )
-from pipelines.omni3 import CODE2WAV_POOL, Code2WavStage, Omni3Voice, Talker3Stage
+from pipelines.omni3 import (
+    CODE2WAV_POOL,
+    Code2WavStage,
+    CodeChunks,
+    Omni3Voice,
+    Talker3Stage,
+    streamed_reply3,
+    talked3,
+)
 from pipelines.omni_talker import TalkerStage, talked
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.vlm import VLM_FAMILY, DecodeChatMedia, VLMChatModel, decode_chat_media
@@ -190,6 +198,8 @@ class ServedVLM(ServedChat):
         self.speech_vlm = spec.vlm  # a streamed spoken reply's token2wav chunks
         if isinstance(model.voice, OmniVoice):  # its graphs stream the thinker into this stage
             self.talker = TalkerStage(self.name, model.voice, spec.vlm.max_speech_codes)
+        elif isinstance(model.voice, Omni3Voice):  # its graphs stream the thinker into this stage (text prompts)
+            self.talker3 = Talker3Stage(self.name, model.voice, spec.vlm.max_speech_codes)
         self.info = dataclasses.replace(self.info, tasks=("chat", *kinds),
                                         voices=model.voice.voices if model.voice is not None else ())
 
@@ -207,7 +217,7 @@ class ServedVLM(ServedChat):
                                   self.finalize)
         speech: tuple = ()
         if isinstance(model.voice, Omni3Voice):  # Qwen3-Omni: talker (+ code predictor) -> code2wav
-            speech = (("talker", Talker3Stage(self.name, model.voice, self.speech_vlm.max_speech_codes), None),
+            speech = (("talker", self.talker3, None),
                       ("code2wav", Code2WavStage(self.name, model.voice), CODE2WAV_POOL))
         elif model.voice is not None:
             speech = (("talker", self.talker, None),
@@ -230,9 +240,6 @@ class ServedVLM(ServedChat):
                                f"{list(model.voice.voices)}")
         if request.params.n != 1:
             raise RequestError("n", "a spoken reply is one choice (n = 1)")
-        if request.speech.stream and isinstance(model.voice, Omni3Voice):
-            raise RequestError("stream", f"model {self.name} speaks a whole reply only (Qwen3-Omni's audio is not "
-                               "streamed yet); ask without stream")
 
     def execution(self, request: ChatRequest) -> Execution:
         self.check_speech(request)
@@ -245,13 +252,22 @@ class ServedVLM(ServedChat):
     def _spoken(self, nodes: tuple[Node, ...], before: tuple[str, ...], speech: SpeechOutput) -> StageGraph:
         """`nodes` (up to the thinker's llm), then the speech half. Qwen2.5-Omni: the talker streamed from the
         thinker (it starts at the thinker's first token), then token2wav's DiT and the vocoder, after it for a whole
-        reply, or streamed from it chunk by chunk. Qwen3-Omni: the talker after the thinker's reply (and `before`,
-        the nodes of the prompt's media), then code2wav."""
+        reply, or streamed from it chunk by chunk. Qwen3-Omni: the talker streamed from the thinker for a text prompt,
+        after the thinker's reply (and `before`, the nodes of the prompt's media) otherwise; then code2wav after it,
+        or streamed from it chunk by chunk (a node named `vocoder`, as Qwen2.5-Omni's chunks are told, on the
+        code2wav pool)."""
         model = self.model
         assert isinstance(model, VLMChatModel)
-        if isinstance(model.voice, Omni3Voice):  # (check_speech refused a stream)
-            return StageGraph((*nodes, Node("talker", f"{self.name}/talker", (*before, "llm")),
-                               Node("code2wav", f"{self.name}/code2wav", ("talker",))), "code2wav")
+        if isinstance(model.voice, Omni3Voice):
+            pool = f"{self.name}/talker"
+            talker3 = Node("talker", pool, (*before, "llm")) if before else \
+                Node("talker", pool, stream=Stream("llm", self.talker3.feed))
+            if not speech.stream:
+                return StageGraph((*nodes, talker3, Node("code2wav", f"{self.name}/code2wav", ("talker",),
+                                                         prepare=talked3)), "code2wav")
+            return StageGraph((*nodes, talker3, Node("vocoder", f"{self.name}/code2wav",
+                                                     stream=Stream("talker", CodeChunks))), "vocoder",
+                              finish=streamed_reply3)
         assert isinstance(model.voice, OmniVoice)
         talker = Node("talker", f"{self.name}/talker", stream=Stream("llm", self.talker.feed))
         if not speech.stream:

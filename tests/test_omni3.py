@@ -6,26 +6,34 @@ prompt's positions from the thinker's own rope index. Greedy answers equal trans
 batched. A checkpoint whose vision tower has deepstack mergers (as the released ones do) is served without image
 input, and says so naming the field.
 
-Speech out: the talker (its code predictor inside) and code2wav after the thinker. For the same seed the reply's
-tokens and waveform equal `generate()` after `torch.manual_seed(seed)` (measured equal bit for bit; checked at 1e-5),
-and the talker is handed the inputs `generate()` hands it."""
+Speech out: the talker (its code predictor inside; streamed from the thinker for a text prompt, after it for a
+prompt with media) stepping every reply in one forward, then code2wav. For the same seed the reply's tokens and codes
+equal `generate()`'s after `torch.manual_seed(seed)`, alone and batched, and the waveform too (alone bit for bit;
+checked at 1e-5: a wrong code moves it by more than 1e-2); the talker's forwards read what `generate()`'s read. A
+streamed reply's chunks of code2wav go out while the talker speaks and concatenate to the whole reply's waveform
+(measured 1.4e-5 for a reply, 2.2e-5 across decode spans: float rounding of decodes of other lengths, amplified by
+the random decoder; checked at 1e-4)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import time
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from pipelines.chat import ChatRequest
+from pipelines.config import VoiceSessionConfig, VoiceSpec
 from pipelines.image_request import RequestError
 from pipelines.omni import SpeechOutput
-from pipelines.omni3 import SAMPLE_RATE
-from stages.events import StageError
+from pipelines.omni3 import DECODE_SPAN, FIRST_CHUNK, SAMPLE_RATE, CodeChunks
+from stages.events import EventKind, StageError
 from stages.llm.params import SamplingParams
+from stages.pool import PoolConfig
 from tests.helpers import demo_path, running_engine, vlm_engine_fixture, wav_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -37,7 +45,8 @@ def path(tmp_path_factory):
     return demo_path(tmp_path_factory, "qwen3_omni")
 
 
-engine = vlm_engine_fixture()
+OMNI_VOICE = VoiceSpec("omni-voice", omni="m", max_output_tokens=12, seed=0)
+engine = vlm_engine_fixture(voices=(OMNI_VOICE,))
 
 
 def load(path: str):
@@ -186,25 +195,36 @@ def speak(engine, messages, speech: SpeechOutput, params=SPOKEN):
 
 @pytest.fixture(scope="module")
 def spoken_reference(loaded):
-    """generate() with audio out after torch.manual_seed(seed): (reply token ids, waveform)."""
+    """generate() with audio out after torch.manual_seed(seed): (reply token ids, waveform, codes [groups, frames]:
+    the ones it hands code2wav)."""
     model, processor = loaded
     eos = processor.tokenizer.eos_token_id
     # transformers' talker reads the audio encoder's n_window from its own config, which lacks it: Omni3Voice's fix
     model.talker.config.audio_config = model.config.thinker_config.audio_config
+    decode = model.code2wav.chunked_decode
 
-    def answer(messages, seed: int, voice: str = "ethan") -> tuple[list[int], torch.Tensor]:
+    def answer(messages, seed: int, voice: str = "ethan") -> tuple[list[int], torch.Tensor, torch.Tensor]:
         inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
                                                return_tensors="pt")
+        caught = []
+
+        def catch(codes, **kwargs):
+            caught.append(codes[0])
+            return decode(codes, **kwargs)
+        model.code2wav.chunked_decode = catch
         torch.manual_seed(seed)
-        with torch.inference_mode():
-            ids, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=12, thinker_do_sample=False,
-                                      thinker_eos_token_id=eos)
-        return ids[0, inputs["input_ids"].shape[1]:].tolist(), wav.reshape(-1)
+        try:
+            with torch.inference_mode():
+                ids, wav = model.generate(**inputs, speaker=voice, thinker_max_new_tokens=12,
+                                          thinker_do_sample=False, thinker_eos_token_id=eos)
+        finally:
+            del model.code2wav.chunked_decode
+        return ids[0, inputs["input_ids"].shape[1]:].tolist(), wav.reshape(-1), caught[0]
     return answer
 
 
-def assert_same_speech(result, want: tuple[list[int], torch.Tensor]) -> None:
-    ids, wav = want
+def assert_same_speech(result, want: tuple[list[int], torch.Tensor, torch.Tensor]) -> None:
+    ids, wav, _ = want
     assert result["choices"][0]["token_ids"] == ids
     assert "hidden" not in result["choices"][0]
     assert result["sample_rate"] == SAMPLE_RATE and result["audio"].shape == wav.shape, (result["audio"].shape,
@@ -234,24 +254,23 @@ def test_spoken_replies_equal_generate(engine, spoken_reference):
     assert "audio" not in results[2] and tokens(results[2]) == spoken_reference(text, 4)[0]
 
 
-def recorded(talker) -> list[dict]:
-    """Record every call of `talker.generate` (the instance's, then the real method runs)."""
+def recorded(module: torch.nn.Module) -> tuple[list[dict], Any]:
+    """Record the inputs of every forward of `module` (the talker's text model): its embeddings and positions."""
     calls: list[dict] = []
-    real = talker.generate
 
-    def generate(**kwargs):
-        calls.append(kwargs)
-        return real(**kwargs)
-    talker.generate = generate
-    return calls
+    def hook(_, args, kwargs):
+        calls.append({"inputs_embeds": kwargs["inputs_embeds"].clone(), "position_ids": kwargs["position_ids"]})
+    return calls, module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def test_the_talker_reads_what_generate_hands_it(engine, loaded, spoken_reference):
-    """A random talker samples nearly uniformly (its codes barely depend on what it reads), so the talker's inputs
-    are compared directly: for a prompt with audio, an image and text, the embeddings (the user turn's text rows, its
-    media rows from the recomputed thinker states, the reply's start), the reply's later steps, the ids and the media
-    geometry equal the ones generate() hands its talker (embeddings of magnitude 4e-2 measured to 6e-11: checked at
-    1e-8; a 0.1 % change in the recomputed thinker states fails it)."""
+    """A random talker samples nearly uniformly (its codes barely depend on what it reads), so the talker's forwards
+    are compared directly: for a prompt with audio, an image and text, the prompt's embeddings (the user turn's text
+    rows, its media rows from the recomputed thinker states, the reply's start) and positions (the talker's rope
+    index over the media), then at every step the frame's embeddings summed (the code predictor's codes) plus the
+    reply's next text row, at its position, equal the ones generate()'s talker reads (mean magnitude 2e-3; measured
+    6e-11 for the prompt and 7e-9 for the 39 steps: checked at 1e-8 and 1e-7; a 0.1 % change in the recomputed
+    thinker states fails it)."""
     voice = engine._served["m"].model.voice
     wav, samples = clip(1.5, 13)
     png, picture = image(14, (64, 48))
@@ -260,26 +279,165 @@ def test_the_talker_reads_what_generate_hands_it(engine, loaded, spoken_referenc
     theirs = [ours[0], {"role": "user", "content": [
         {"type": "text", "text": "hear"}, {"type": "audio", "audio": samples}, {"type": "text", "text": "and see"},
         {"type": "image", "image": picture}]}]
-    mine, reference_calls = recorded(voice.talker), recorded(loaded[0].talker)
+    (mine, hook), (reference_calls, reference_hook) = recorded(voice.talker.model), recorded(loaded[0].talker.model)
     try:
-        assert_same_speech(speak(engine, ours, SpeechOutput("ethan", 5)).result(timeout=120),
-                           spoken_reference(theirs, 5))
+        want = spoken_reference(theirs, 9)
+        assert_same_speech(speak(engine, ours, SpeechOutput("ethan", 9)).result(timeout=120), want)
     finally:
-        del voice.talker.generate, loaded[0].talker.generate
-    (got,), (want,) = mine, reference_calls
-    for key in ("inputs_embeds", "trailing_text_hidden", "tts_pad_embed"):
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-8, msg=key)
-    for key in ("talker_input_ids", "attention_mask", "audio_feature_lengths", "image_grid_thw"):
-        assert torch.equal(got[key], want[key]), key
-    assert (got["talker_input_ids"] == loaded[0].config.thinker_config.audio_token_id).sum() > 0  # the user's media
+        hook.remove()
+        reference_hook.remove()
+    assert len(mine) == len(reference_calls) == want[2].shape[1] + 1  # the prompt, then one step a fed frame
+    for i, (got, expected) in enumerate(zip(mine, reference_calls)):
+        torch.testing.assert_close(got["inputs_embeds"], expected["inputs_embeds"], rtol=0, atol=1e-8 if i == 0 else
+                                   1e-7, msg=f"forward {i}")
+        assert torch.equal(got["position_ids"][-3:], expected["position_ids"][-3:]), i  # the 3-D rope positions
+    assert mine[0]["position_ids"][1:].amax() < mine[0]["inputs_embeds"].shape[1] - 1  # the media's positions
 
 
-@pytest.mark.parametrize("speech, param", [(SpeechOutput("nobody", 1), "audio.voice"),
-                                           (SpeechOutput("ethan", 1, stream=True), "stream")])
-def test_speech_refusals_name_the_field(engine, speech, param):
+def test_the_talker_batches_replies_equal_generate(path, spoken_reference):
+    """Four spoken replies in one talker pool that waits for company (three text prompts streamed from their
+    thinkers, one with audio after its thinker): the talker steps them in shared forwards (its code predictor for
+    all rows at once), each drawing from its own generator: each reply's codes and waveform equal generate()'s for its
+    seed."""
+    waiting = PoolConfig(max_batch_size=8, max_delay_ms=500, max_queue=64)
+    wav, samples = clip(1.0, 15)
+    prompts = [([{"role": "user", "content": text}],) * 2 for text in ("Tell me a story.", "Count to five.",
+                                                                       "Name a color.")]
+    prompts.append(([{"role": "user", "content": [audio_part(wav), {"type": "text", "text": "and?"}]}],
+                    [{"role": "user", "content": [{"type": "audio", "audio": samples},
+                                                  {"type": "text", "text": "and?"}]}]))
+    seeds = (15, 12, 9, 16)
+    with running_engine(path, family="vlm", pools={"talker": waiting}) as eng:
+        handles = [speak(eng, ours, SpeechOutput(("ethan", "chelsie")[i % 2], seed))
+                   for i, ((ours, _), seed) in enumerate(zip(prompts, seeds))]
+        results = [h.result(timeout=120) for h in handles]
+        assert eng.metrics.stage.max_batch_size("m/talker", "m") >= 2
+    for i, ((_, theirs), seed, result) in enumerate(zip(prompts, seeds, results)):
+        assert_same_speech(result, spoken_reference(theirs, seed, ("ethan", "chelsie")[i % 2]))
+
+
+STORY = [{"role": "user", "content": "Tell me a story."}]  # seed 15: 75 frames (chunks of 4, 8, 16, 32, then 15)
+
+
+def test_a_streamed_reply_comes_in_chunks_while_the_talker_speaks(engine, spoken_reference):
+    """A streamed reply: the talker joins at the thinker's first token and tells its frames as it draws them
+    (generate()'s codes); code2wav's first chunk goes to its pool once the talker has drawn FIRST_CHUNK frames, not at
+    its end; the chunks (DELTAs {"audio", "sample_rate"} of the `vocoder` node, as Qwen2.5-Omni's) concatenate to the
+    reply's waveform, which equals generate()'s to 1e-4 (measured 1.4e-5)."""
+    ids, whole, codes = spoken_reference(STORY, 15)
+    handle = speak(engine, STORY, SpeechOutput("ethan", 15, stream=True))
+    thinker, thinker_at_talker, frames, frames_at_first_chunk, chunks, final = 0, None, [], None, [], None
+    for event in handle.events(timeout=120):
+        if event.kind is EventKind.DELTA and event.stage == "llm":
+            thinker += 1
+        elif event.kind is EventKind.STAGE_STARTED and event.stage == "talker":
+            thinker_at_talker = thinker
+        elif event.kind is EventKind.DELTA and event.stage == "talker":
+            frames += event.data["codes"]
+        elif event.kind is EventKind.STAGE_STARTED and event.stage == "vocoder":
+            frames_at_first_chunk = len(frames)
+        elif event.kind is EventKind.DELTA and event.stage == "vocoder":
+            assert event.data["sample_rate"] == SAMPLE_RATE
+            chunks.append(event.data["audio"])
+        elif event.kind is EventKind.FINAL:
+            final = event.data["outputs"]
+    assert final is not None and final["choices"][0]["token_ids"] == ids and "hidden" not in final["choices"][0]
+    assert thinker == len(ids) and thinker_at_talker == 1  # the talker joined at the thinker's first token
+    assert torch.equal(torch.tensor(frames).T, codes) and codes.shape[1] == 75
+    assert frames_at_first_chunk == FIRST_CHUNK and len(chunks) == 5
+    audio = torch.cat(chunks)
+    assert final["sample_rate"] == SAMPLE_RATE and torch.equal(final["audio"], audio)
+    assert audio.shape == whole.shape and whole.abs().max() > 0.05
+    torch.testing.assert_close(audio, whole, rtol=0, atol=1e-4)
+
+
+def test_streamed_chunks_across_decode_spans_equal_whole_decoding(engine):
+    """generate() decodes a reply in spans of 300 codes (25 of left context, the last samples of each span lost):
+    chunks never cross a span, and the chunks of 340 random codes (4, 8, ..., 64, then the span's rest, then the next
+    span's) concatenate to `Omni3Voice.waveform`, transformers' chunked decode (measured 2.2e-5; checked at 1e-4)."""
+    voice = engine._served["m"].model.voice
+    codes = torch.randint(0, 16, (4, DECODE_SPAN + 40), generator=torch.Generator().manual_seed(3))
+    cut = CodeChunks()
+    pieces = [piece for i in range(codes.shape[1]) for piece in cut.feed({"codes": [codes[:, i].tolist()]})]
+    pieces += cut.flush({})
+    assert [(p["window"].shape[1] - p["context"], p["opens_span"]) for p in pieces] == [
+        (4, True), (8, False), (16, False), (32, False), (64, False), (64, False), (64, False), (48, False),
+        (40, True)]
+    assert pieces[-1]["context"] == 25  # the span's own left context, as generate() decodes it
+    audio = torch.cat([voice.chunk(p["window"], p["context"], p["opens_span"]) for p in pieces])
+    whole = voice.waveform(codes)
+    assert audio.shape == whole.shape
+    torch.testing.assert_close(audio, whole, rtol=0, atol=1e-4)
+
+
+def test_cancel_mid_stream_ends_the_request_everywhere(engine):
+    """A cancel after the first audio chunk: the request ends with a cancelled error, no chunk follows it, and every
+    stage lets go of it (the executor is idle: no talker row or code2wav chunk left queued or running)."""
+    handle = speak(engine, STORY, SpeechOutput("ethan", 15, stream=True))
+    after: list = []
+    for event in handle.events(timeout=120):
+        if after or (event.kind is EventKind.DELTA and event.stage == "vocoder"):
+            if not after:
+                handle.cancel()
+            after.append(event)
+    assert after[-1].kind is EventKind.ERROR and after[-1].data["code"] == "cancelled"
+    assert not [e for e in after[1:] if e.kind is EventKind.DELTA and e.stage == "vocoder"]
+    deadline = time.monotonic() + 30
+    while not engine.executor.idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.executor.idle()
+
+
+def test_a_realtime_omni_voice_speaks_streamed_chunks(engine):
+    """A realtime omni voice on Qwen3-Omni: it hears the user's audio and answers with the streamed reply's chunks
+    (the `vocoder` node's DELTAs), which equal the model's own streamed answer to the session's context (the session
+    clock runs only as the client plays)."""
+    import types
+
+    from realtime.sessions import Journal, Outbox
+    from realtime.voice.session import VoiceSession
+    from realtime.voice.vad import VadLoader
+    from tests.test_realtime_voice_support import Collector, silence, stream, voiced
+
+    async def main():
+        now = [0.0]
+        collector, outbox = Collector(), Outbox(Journal(100_000, 1 << 30))
+        await outbox.attach(collector.send)
+        s = VoiceSession(engine, engine.voice_model("omni-voice"), VoiceSessionConfig(vad="energy", delta_ms=20,
+                         max_lead_ms=20), session_id="sess_omni3", resume_token="tok", outbox=outbox,
+                         vad=VadLoader("energy"), clock=lambda: now[0])
+        await s.start()
+        await stream(s.receive, np.concatenate([silence(0.3), voiced(1.0, seed=3), silence(0.8)]), realtime=False)
+
+        async def playing():  # the client plays in (fast) time
+            while True:
+                now[0] += 0.05
+                await asyncio.sleep(0.005)
+        clock = asyncio.create_task(playing())
+        done = await collector.wait_event("response.done")
+        clock.cancel()
+        context = await s.context_for(types.SimpleNamespace(params=s._default_params()))
+        await s.close("test")
+        return collector, done, context
+
+    c, done, context = asyncio.run(main())
+    assert done["response"]["status"] in ("completed", "incomplete"), done  # incomplete: max_output_tokens
+    r = done["response"]["id"]
+    pcm = b"".join(base64.b64decode(e["delta"]) for e in c.of("response.output_audio.delta", response_id=r))
+    params = SamplingParams(temperature=0.8, max_tokens=12, seed=0)
+    want = speak(engine, context[:-1], SpeechOutput(engine.models["m"].voices[0], 0, stream=True), params)
+    want = want.result(timeout=120)
+    transcript = "".join(e["delta"] for e in c.of("response.output_audio_transcript.delta", response_id=r))
+    assert transcript == want["choices"][0]["text"] and transcript
+    got = np.frombuffer(pcm, "<i2").astype(np.float32) / 32767
+    assert len(got) == len(want["audio"]) > 0
+    np.testing.assert_allclose(got, want["audio"].numpy(), rtol=0, atol=1e-4)
+
+
+def test_speech_refusals_name_the_field(engine):
     with pytest.raises(RequestError) as info:
-        speak(engine, [{"role": "user", "content": "hi"}], speech)
-    assert info.value.param == param, info.value
+        speak(engine, [{"role": "user", "content": "hi"}], SpeechOutput("nobody", 1))
+    assert info.value.param == "audio.voice", info.value
 
 
 def test_a_deepstack_checkpoint_is_served_without_images(tmp_path):
