@@ -22,6 +22,8 @@ from typing import Any, Hashable
 
 import torch
 
+from pipelines.omni_dit import block_distances, frames_valid
+from pipelines.omni_dit import register as register_block_attention
 from stages.events import EventKind
 from stages.stage import Stage, WorkItem
 
@@ -87,6 +89,7 @@ class OmniVoice:
         # mel frames a code makes and a DiT block holds; mel channels
         self.repeats, self.block, self.mel_dim = dit.repeats, dit.block_size, dit.mel_dim
         self.hop = math.prod(self.token2wav.code2wav_bigvgan_model.config.upsample_rates)  # samples a mel frame
+        register_block_attention(dit)
         del full
         self.thinker = thinker
         self.config = thinker.config
@@ -160,17 +163,6 @@ class OmniVoice:
         cond = cond.unsqueeze(1).repeat(1, longest, 1)
         ref_mel = torch.cat([self.speakers[s]["ref_mel"] for _, s, _ in jobs]).to(device).float()
         real = torch.arange(longest, device=device)[None] < torch.tensor(frames, device=device)[:, None]
-        reach = real[:, None, None, :] | torch.eye(longest, dtype=torch.bool, device=device)  # [jobs, 1, q, k]
-        blocks: dict[tuple, torch.Tensor] = {}
-
-        def block_diff(hidden_states: torch.Tensor) -> torch.Tensor:
-            """The DiT's block distances, with padding frames out of reach (a huge distance); made once a call.
-            Under CFG the rows are [conditioned jobs, unconditioned jobs]."""
-            if hidden_states.shape[:2] not in blocks:
-                diff = type(dit)._create_block_diff(dit, hidden_states)
-                rows = reach.repeat(hidden_states.shape[0] // len(jobs), 1, 1, 1)
-                blocks[hidden_states.shape[:2]] = torch.where(rows, diff, torch.full_like(diff, 1 << 20))
-            return blocks[hidden_states.shape[:2]]
 
         def velocity(t, x):
             out = dit(hidden_states=x, quantized_code=code, speaker_embedding=cond, condition_vector=ref_mel,
@@ -182,8 +174,9 @@ class OmniVoice:
         t += sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
         embed = dit.input_embed
         speaker_encoder = embed.spk_encoder
-        with _BLOCK_DIFF:
-            dit._create_block_diff = block_diff  # this call's padding (an instance attribute over the method)
+        with _BLOCK_DIFF, frames_valid(real):
+            # block distances at block granularity, for the block-local attention (pipelines/omni_dit.py)
+            dit._create_block_diff = lambda hidden: block_distances(hidden, dit.block_size)
             # the speaker encoder reads the reference mels, the same at every evaluation: run it once a call
             embed.spk_encoder = _Once(speaker_encoder)
             try:
