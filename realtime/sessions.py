@@ -304,6 +304,14 @@ class SessionRegistry:
             await self.remove(sid, reason)
         return [sid for sid, _ in gone]
 
+    async def announce_closing(self, reason: str, *, closes_in_s: float) -> None:
+        """Tell every session the server will close it (a drain, serve/drain.py): a numbered `session.closing`
+        event with what a client needs to resume it (its id and resume token) and how long it has."""
+        for session in list(self._sessions.values()):
+            await session.outbox.emit({"type": "session.closing", "event_id": f"event_{secrets.token_hex(8)}",
+                                       "reason": reason, "session_id": session.id,
+                                       "resume_token": session.resume_token, "closes_in_s": closes_in_s})
+
     async def close_all(self, reason: str = "server_shutdown") -> None:
         for sid in list(self._sessions):
             await self.remove(sid, reason)

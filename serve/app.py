@@ -17,12 +17,14 @@ from realtime.sessions import registry_for
 from realtime.video.metrics import VideoMetrics
 from realtime.voice.metrics import VoiceMetrics
 from serve.body_limit import BodyLimit
+from serve.drain import DEFAULT_GRACE_S, Drain, DrainGate, DrainMetrics
 from serve.errors import install_error_handlers
 from serve.files import ImageStore
 from serve.job_runner import JobPolicy, JobRunner
 from serve.jobs import JobStore
 from serve.metrics import HttpMetrics, RequestCounter
 from serve.openapi import install_openapi
+from serve.quota import QuotaGate, TenantMetrics
 from serve.routes import (
     batches,
     chat,
@@ -36,6 +38,7 @@ from serve.routes import (
     transcriptions,
     videos,
 )
+from serve.tenants import Tenants
 from stages.redact import redact_loggers
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits
@@ -46,8 +49,11 @@ FORM_FIELDS_BYTES = 2**20  # a multipart body's text fields and part headers, be
 def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: ImageStore | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, data_dir: str | Path | None = None,
                job_policy: JobPolicy | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               admin_key: str | None = None) -> FastAPI:
+               admin_key: str | None = None, tenants: Tenants | None = None,
+               drain_grace_s: float = DEFAULT_GRACE_S) -> FastAPI:
     """The HTTP app. `api_keys` maps key -> tenant; None or empty: no auth, every caller is tenant "default".
+    `tenants` (serve/tenants.py) instead: the keys with each tenant's quotas, models and priority (serve/quota.py).
+    `drain_grace_s`: how long a SIGTERM drain lets requests in flight finish (serve/drain.py).
     `max_body_bytes` caps JSON bodies; multipart bodies may hold the largest upload a route admits (an image
     edit's image and mask, a /v1/files upload) plus FORM_FIELDS_BYTES (serve/body_limit.py).
     `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists).
@@ -68,7 +74,13 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan,
                   description="Multimodal and diffusion pipeline server with OpenAI-compatible endpoints.")
     app.state.engine = engine
-    app.state.api_keys = dict(api_keys or {})
+    if tenants is None:  # plain keys: tenants without limits
+        tenants = Tenants.from_keys(api_keys or {})
+    elif api_keys:
+        raise ValueError("pass either api_keys or tenants, not both")
+    app.state.tenants = tenants
+    app.state.api_keys = tenants.keys
+    app.state.drain = Drain(drain_grace_s, engine.metrics.part(DrainMetrics))
     app.state.admin_key = admin_key
     app.state.image_store = image_store or ImageStore()
     app.state.max_upload_bytes = max_upload_bytes
@@ -92,10 +104,15 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     # Request lines carry query strings (signed image links), and uvicorn's own handlers print them: masked.
     redact_loggers("uvicorn.access", "uvicorn.error")
     install_openapi(app)  # /openapi.json says what the routes answer (serve/openapi.py)
+    # Inside BodyLimit (the body it reads is bounded), outside the routes: quotas apply before any admission.
+    # Its per-tenant series exist only with configured keys: their names come from the operator's file, a bounded set
+    # (DESIGN §10 keeps tenants out of every other series' labels).
+    app.add_middleware(QuotaGate, tenants=tenants, metrics=engine.metrics.part(TenantMetrics) if tenants.keys else None)
     app.add_middleware(BodyLimit, json_bytes=max_body_bytes,  # inside RequestCounter: its 413s are counted
                        multipart_bytes=max(2 * max_upload_bytes, batches.MAX_FILE_BYTES) + FORM_FIELDS_BYTES)
     # The series of the layers above stages/ join the engine's registry now, so /metrics lists them from the start.
     engine.metrics.part(VideoMetrics)
     engine.metrics.part(VoiceMetrics)
+    app.add_middleware(DrainGate, drain=app.state.drain)  # a draining server's 503s spend no tenant's quota
     app.add_middleware(RequestCounter, counter=engine.metrics.part(HttpMetrics).requests)
     return app

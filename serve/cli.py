@@ -29,9 +29,10 @@ from stages.redact import RedactingFormatter
 
 log = logging.getLogger("mmserve")
 
-API_KEYS_HELP = ("file mapping API key -> tenant: JSON ({\"sk-abc\": \"alice\"}) or, if the name ends in .toml, "
-                 "TOML (\"sk-abc\" = \"alice\"). Callers then send 'Authorization: Bearer <key>'; without this "
-                 "file the server needs no key and every caller is tenant 'default'")
+API_KEYS_HELP = ("a tenants file (TOML [[tenants]] tables: name, keys, quotas, models, priority; README "
+                 "'Operations') or a file mapping API key -> tenant: JSON ({\"sk-abc\": \"alice\"}) or, if the name "
+                 "ends in .toml, TOML (\"sk-abc\" = \"alice\"). Callers then send 'Authorization: Bearer <key>'; "
+                 "without this file the server needs no key and every caller is tenant 'default'")
 
 
 class UsageError(Exception):
@@ -67,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", action="append", default=[], metavar="NAME=PATH_OR_ID",
                    help="serve a checkpoint (local directory or cached hub id) as NAME; repeatable; "
                         "the family is detected from model_index.json / config.json")
-    s.add_argument("--api-keys", type=Path, metavar="FILE", help=API_KEYS_HELP)
+    s.add_argument("--api-keys", "--tenants", dest="api_keys", type=Path, metavar="FILE", help=API_KEYS_HELP)
     s.add_argument("--demo-dir", type=Path, help=f"where demo checkpoints are built (default {DEFAULT_DEMO_DIR})")
     s.add_argument("--data-dir", type=Path, help="the job store: videos, files, batches (default: [server] "
                                                  "data_dir, else ~/.local/share/mmserve)")
@@ -124,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
-    from serve.auth import load_api_keys
+    from serve.tenants import load_tenants
 
     loaded = _load_config(args.config, args.model)  # bad flags fail fast, before torch is imported
     server_cfg = loaded.server
@@ -137,20 +138,22 @@ def _serve(args) -> int:
         config = _usage(lambda: engine_config(demo_specs(demo_dir), loaded.raw_engine, demo=True))
     config = _usage(lambda: _with_backend(config, args.backend, args.ray_address))
     keys_file = args.api_keys or server_cfg.api_keys_file
-    api_keys = _usage(lambda: load_api_keys(keys_file)) if keys_file else None
+    tenants = _usage(lambda: load_tenants(keys_file)) if keys_file else None
 
     import uvicorn
 
     from pipelines.engine import Engine
     from serve.app import create_app
+    from serve.drain import DrainingServer
     from serve.routes.loras import ADMIN_KEY_ENV
 
     engine = Engine(config)
-    app = create_app(engine, api_keys=api_keys, data_dir=args.data_dir or server_cfg.data_dir,
+    app = create_app(engine, tenants=tenants, data_dir=args.data_dir or server_cfg.data_dir,
                      job_policy=loaded.jobs, max_body_bytes=server_cfg.max_body_bytes,
-                     admin_key=os.environ.get(ADMIN_KEY_ENV) or None)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, ws="auto", log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+                     admin_key=os.environ.get(ADMIN_KEY_ENV) or None, drain_grace_s=server_cfg.drain_grace_s)
+    # SIGTERM drains first (serve/drain.py); what uvicorn then waits for is only what the drain left.
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, ws="auto", log_level=args.log_level,
+                                           timeout_graceful_shutdown=5), app)
     failed = threading.Event()
 
     def load() -> None:  # in the background, so /health answers while weights load

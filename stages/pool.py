@@ -4,6 +4,11 @@ Unplaced (no `devices`), the replicas are threads sharing one stage object on th
 is free takes the next item. Placed, each replica has its own stage object (its own weights) on its own device,
 and each item is routed to one replica when it is queued (stages/placement.py); its inputs move to that device
 when the replica takes it.
+
+Queues are ordered by priority with aging: a request's priority class (its rank, 0 first; `submit_priority` where
+it was submitted, which serve/quota.py sets to the tenant's) counts against the time its item has waited, one
+class per `priority_aging_s`, so a low class waits behind fresh high ones for a bounded time and never starves.
+Equal classes keep arrival order.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,6 +35,10 @@ from stages.stage import LoopStage, Stage, WorkItem
 from stages.thread_budget import ThreadBudget, default_threads
 
 log = logging.getLogger(__name__)
+NORMAL_PRIORITY = 1  # the rank of requests submitted without one (serve/tenants.py: high 0, normal 1, low 2)
+# The priority rank of requests submitted from this context: read once, when the request's first item is queued
+# (the submitting caller's thread or task), and kept on the request for its later nodes.
+submit_priority: ContextVar[int] = ContextVar("submit_priority", default=NORMAL_PRIORITY)
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class PoolConfig:
     # CPUs. Custom resources pin a pool to the nodes that have them (`{"node_b": 1}`); a fractional GPU shares one.
     resources: tuple[tuple[str, float], ...] = ()  # (name, amount) pairs; a TOML table {name = amount} is taken too
     num_gpus: float = 0.0
+    # Seconds of waiting in this pool's queue that lift an item one priority class (aging: nothing starves).
+    priority_aging_s: float = 10.0
 
     def __post_init__(self):
         if self.replicas < 1:
@@ -83,6 +95,9 @@ class PoolConfig:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if isinstance(self.priority_aging_s, bool) or not isinstance(self.priority_aging_s, (int, float)) \
+                or not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be a number of seconds > 0, got {self.priority_aging_s!r}")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"threads must be a whole number >= 1 (or unset: the cores shared by the replicas), "
@@ -165,6 +180,8 @@ class StagePool:
     def put(self, item: WorkItem) -> None:
         """Enqueue without a bound: admitted requests always progress to their next node."""
         item.enqueued_at = time.monotonic()
+        if not hasattr(item.request, "priority"):  # the first node of a request: in the submitter's context
+            setattr(item.request, "priority", submit_priority.get())
         with self._cond:
             if self.placed:
                 affinity = self.stage.affinity(item)
@@ -204,9 +221,16 @@ class StagePool:
         return any(self._for(worker, i) for i in self._queue)
 
     def _popleft(self, worker: int) -> WorkItem:
-        item = next(i for i in self._queue if self._for(worker, i))
+        """The worker's next item: the best priority after aging, the earliest among equals."""
+        now = time.monotonic()
+        item = min((i for i in self._queue if self._for(worker, i)), key=lambda i: self._rank(i, now))
         self._queue.remove(item)
         return item
+
+    def _rank(self, item: WorkItem, now: float) -> float:
+        """The item's priority class less one per `priority_aging_s` waited (lower is taken first)."""
+        waited = now - item.enqueued_at
+        return getattr(item.request, "priority", NORMAL_PRIORITY) - waited / self.config.priority_aging_s
 
     def _place(self, worker: int, items: list[WorkItem]) -> None:
         """Move the items' input tensors to this replica's device (a placed pool's edge)."""
@@ -403,7 +427,8 @@ class StagePool:
 
     def _pop_matching(self, worker: int, key, limit: int) -> list[WorkItem]:
         taken: list[WorkItem] = []
-        for item in list(self._queue):
+        now = time.monotonic()
+        for item in sorted(self._queue, key=lambda i: self._rank(i, now)):  # stable: equals keep arrival order
             if len(taken) >= limit:
                 break
             if self._for(worker, item) and self.stages[worker].batch_key(item) == key:

@@ -14,10 +14,13 @@ from stages.events import ErrorKind, StageError
 router = APIRouter()
 
 
-@router.get("/v1/models", dependencies=[Depends(tenant_of)])
-async def list_models(request: Request) -> dict:
+@router.get("/v1/models")
+async def list_models(request: Request, tenant: str = Depends(tenant_of)) -> dict:
+    """The models the caller's tenant may use (a tenants file's `models`; all without one)."""
     created = request.app.state.created
-    models = list(request.app.state.engine.models.values())
+    allowed = request.app.state.tenants.get(tenant)
+    models = [info for name, info in request.app.state.engine.models.items()
+              if allowed is None or allowed.may_use(name)]
     return {"object": "list", "data": [model_object(info, created) for info in models]
             + adapter_objects(models, created, "chat")}
 
@@ -47,8 +50,13 @@ async def health() -> dict:
 async def ready(request: Request) -> JSONResponse:
     """200 once every configured model is loaded and warmed; 503 while loading, draining or failed. On the ray
     backend, while a replica is lost and restarting: 200 with status "degraded" as long as every model keeps a live
-    replica of each stage, 503 with status "down" (naming the models) when one has none."""
+    replica of each stage, 503 with status "down" (naming the models) when one has none. Draining (SIGTERM,
+    serve/drain.py): 503 with status "draining" at once."""
     engine = request.app.state.engine
+    drain = request.app.state.drain
+    if drain.draining:
+        return JSONResponse({"ready": False, "status": "draining", "models": list(engine.models)}, status_code=503,
+                            headers={"Retry-After": str(round(drain.retry_after_s()))})
     if engine.ready:
         health = engine.health()
         down = sorted(name for name, state in health.items() if state == "down")
