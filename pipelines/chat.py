@@ -146,11 +146,17 @@ class LanguageModel:
         return LLMStage(self.name, self.runner, self.tokenizer, scheduler, metrics, tuple(set(eos)))
 
     def check_params(self, request: ChatRequest) -> None:
-        """The sampling parameters against this model (token ids and top_k within its vocabulary)."""
+        """The sampling parameters against this model (token ids and top_k within its vocabulary; a
+        response_format compiled over its tokenizer, once per grammar)."""
         try:
             request.params.check_vocab(self.runner.vocab_size)
         except ValueError as e:
             raise RequestError(str(e).split(" ")[0].strip(":"), str(e)) from None
+        if request.params.response_format is not None:
+            try:
+                self.stage.grammars.compile(request.params.response_format)
+            except ValueError as e:
+                raise RequestError("response_format", str(e)) from None
 
     def token_texts(self) -> TokenTexts:
         """Token id -> (text, bytes) with this model's tokenizer, memoized: one per reply's logprobs."""

@@ -8,6 +8,7 @@ Unknown fields are refused, as OpenAI does.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pipelines.image_request import MAX_LORAS, RequestError
 from pipelines.token_texts import TokenTexts
 from serve.schemas import LoraRef
+from stages.llm.grammar import Grammar
 from stages.llm.params import MAX_N, SamplingParams
 
 # SamplingParams fields a request may set under the same name.
@@ -58,6 +60,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     # the model's LoRA adapters, weighted (or name one in `model`: "base:adapter", vLLM's convention)
     lora: list[LoraRef] | None = Field(None, max_length=MAX_LORAS)
+    # constrained output: OpenAI's {type: text | json_object | json_schema} and mmserve's {type: regex | grammar}
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -95,6 +99,11 @@ class SamplingFields(BaseModel):
             values["max_tokens"] = max_tokens
         values.update(self._logprobs())
         names = {"max_tokens": max_name, **self._param_names()}
+        if self.response_format is not None:
+            try:
+                values["response_format"] = Grammar.from_response_format(self.response_format)
+            except (ValueError, json.JSONDecodeError) as e:
+                raise RequestError(str(e).split(" ")[0], str(e)) from None
         try:
             params = SamplingParams(**values)
         except ValueError as e:

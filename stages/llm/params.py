@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from stages.llm.grammar import Grammar
+
 TOP_K_OFF = -1  # the one top_k value below 1 that is accepted: consider every token
 MAX_STOP = 4  # OpenAI's documented cap on stop strings; each one costs a scan per emitted chunk
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -59,6 +61,7 @@ class SamplingParams:
     logprobs: bool = False  # return the chosen token's log-probability (raw model distribution)
     top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS alternatives per position; needs logprobs=True
     n: int = 1  # 1..MAX_N completions for the prompt (they share its KV blocks)
+    response_format: Grammar | None = None  # constrained decoding (stages/llm/grammar.py): every token keeps it
 
     def __post_init__(self) -> None:
         # 1. sampling distribution
@@ -100,6 +103,8 @@ class SamplingParams:
         if top > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         _in_range("n", _integer("n", self.n), 1, MAX_N, f"[1, {MAX_N}]")
+        if self.response_format is not None and not isinstance(self.response_format, Grammar):
+            raise ValueError(f"response_format must be a Grammar, got {type(self.response_format).__name__}")
 
     def _checked_bias(self) -> dict[int, float]:
         """Token id keys may arrive as JSON strings ("50256"); values must lie in [-100, 100]."""

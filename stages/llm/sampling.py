@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.llm.grammar import Constraint
 from stages.llm.params import LOGIT_BIAS_BAN, TOP_K_OFF, SamplingParams
 
 Floats = Sequence[float] | torch.Tensor
@@ -237,8 +238,10 @@ def sample(
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator],
+    constraint: Constraint | None = None,
 ) -> SampleOutput:
-    """Pick one token per row of logits [B, V] (any float dtype; computed in float32).
+    """Pick one token per row of logits [B, V] (any float dtype; computed in float32); a `constraint` masks its
+    rows to the tokens their grammars accept, after the penalties.
 
     Row r belongs to params[r], prompt_ids[r], output_ids[r] (generated so far) and
     generators[r], the request's own stream (see make_generator); each non-greedy row draws
@@ -250,7 +253,7 @@ def sample(
     if not len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch:
         raise ValueError(f"params, prompt_ids, output_ids and generators must each have {batch} rows")
     raw = logits.float()  # [B, V]
-    if all(_plain_greedy(p) for p in params) and bool(torch.isfinite(raw).all()):
+    if constraint is None and all(_plain_greedy(p) for p in params) and bool(torch.isfinite(raw).all()):
         # the common decode step: every row greedy with nothing to apply, no bad logit: one argmax (4.)
         return SampleOutput(raw.argmax(-1).tolist(), [None] * batch, [None] * batch, {})
     errors: dict[int, str] = {}
@@ -259,6 +262,8 @@ def sample(
     z = raw.clone()  # [B, V], processed in place below; the caller's tensor is untouched
     _apply_bias(z, params, errors)  # 1.
     _apply_penalties(z, params, prompt_ids, output_ids, errors)  # 2. and 3.
+    if constraint is not None:  # grammar rows: only the tokens their matchers accept
+        constraint.apply(z)
     for row in (~torch.isfinite(z).any(-1)).nonzero()[:, 0].tolist():
         errors.setdefault(row, "every token is masked (-inf or banned by logit_bias): nothing to sample")
     tokens = torch.full((batch,), -1, dtype=torch.long, device=z.device)

@@ -37,6 +37,7 @@ class Sequence:
     mrope: Any = None  # MRoPE positions of the prompt (Qwen2-VL-style models), else None
     hidden: list | None = None  # kept last hidden states, one per computed token (GenerationRequest.keep_hidden)
     hidden_sent: int = 0  # of those, the ones its deltas have carried
+    matcher: Any = None  # its grammar's matcher (params.response_format; stages/llm/grammar.py), fed every token
     lora: tuple = ()  # LoRA adapters and weights of its tokens (stages/lora.py); they are in `namespace` too
 
     @property

@@ -19,6 +19,7 @@ import torch
 from stages.events import ErrorKind, EventKind, StageError
 from stages.llm.blocks import BlockManager, BlockTable
 from stages.llm.detokenizer import OutputText
+from stages.llm.grammar import Constraint, Grammars
 from stages.llm.multimodal import MediaSpan, MRoPE, attach_features, in_span_order
 from stages.llm.params import SamplingParams
 from stages.llm.runner import ModelRunner
@@ -78,6 +79,14 @@ class LLMStage(LoopStage):
         self._itl = metrics.llm.itl.labels(model=model)
         self._ids = itertools.count()
         self._owner: dict[int, WorkItem] = {}  # seq id -> its request's item
+        self._grammars: Grammars | None = None  # made at the first constrained request
+
+    @property
+    def grammars(self) -> Grammars:
+        """This model's grammar compiler (stages/llm/grammar.py): its tokenizer over the logits' width, its EOS."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
 
     def batch_key(self, item: WorkItem) -> Hashable:
         return "llm"  # one scheduler decides; every active item is in the step
@@ -166,8 +175,13 @@ class LLMStage(LoopStage):
                 row_logits += [i] * (len(rows) - len(row_logits))
         if not rows:
             return
+        constrained = [r for r, seq in enumerate(rows) if seq.matcher is not None]
+        constraint = None
+        if constrained:
+            constraint = Constraint(self.grammars, constrained, [rows[r].matcher for r in constrained],
+                                    [rows[r].params.response_format.kind.startswith("json") for r in constrained])
         out = sample(logits[row_logits], [s.params for s in rows], [s.prompt_ids for s in rows],
-                     [s.output_ids for s in rows], [s.generator for s in rows])
+                     [s.output_ids for s in rows], [s.generator for s in rows], constraint)
         now = time.monotonic()
         for r, seq in enumerate(rows):
             item = self._owner[seq.seq_id]
@@ -185,6 +199,12 @@ class LLMStage(LoopStage):
 
     def _append(self, item: WorkItem, seq: Sequence, token: int, logprob, top) -> None:
         p = seq.params
+        if seq.matcher is not None:  # the grammar takes the token (its mask allowed only such tokens)
+            seq.matcher.accept_token(token)
+            if seq.matcher.is_terminated():  # complete: its end token ends the sequence, whatever ignore_eos says
+                seq.output_ids.append(token)
+                self._publish(item, seq, seq.output.finish().text, "stop")
+                return
         if token in self.eos_token_ids and not p.ignore_eos or token in p.stop_token_ids:
             seq.output_ids.append(token)
             self._publish(item, seq, seq.output.finish().text, "stop")
@@ -238,6 +258,8 @@ class LLMStage(LoopStage):
                        namespace=namespace, generator=generator, arrival=time.monotonic(), media=req.media,
                        mrope=req.mrope, hidden=[] if req.keep_hidden else None, lora=req.lora)
         seq.output = OutputText(self.tokenizer, prompt_ids, req.params.stop)
+        if req.params.response_format is not None:
+            seq.matcher = self.grammars.matcher(req.params.response_format)
         return seq
 
     def _fork_children(self, item: WorkItem, parent: Sequence) -> list[Sequence]:
