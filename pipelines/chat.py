@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ from pipelines.chat_parts import checked_message
 from pipelines.image_request import RequestError
 from pipelines.token_bound import max_chars_per_token
 from pipelines.token_texts import TokenTexts
+from pipelines.tools import Tools, checked_calls
 from stages.cuda_graph_metrics import MetricsObserver
 from stages.cuda_graphs import GraphConfig
 from stages.llm.params import SamplingParams
@@ -38,6 +40,7 @@ class ChatRequest:
     speech: Any = None  # pipelines.omni.SpeechOutput: the reply spoken too (a model with a talker); None: text only
     # LoRA adapters of the model (`[[models.loras]]`, or the model id "base:adapter") and their weights
     lora: tuple[tuple[str, float | None], ...] = ()
+    tools: Any = None  # pipelines.tools.Tools: the functions the model may call (chat only); None: no tools
 
 
 @dataclass(frozen=True)
@@ -164,11 +167,12 @@ class LanguageModel:
 
     def generation_request(self, request: ChatRequest) -> GenerationRequest:
         """Cheap checks, then the chat template and tokenizer: the token ids that will run."""
+        request = self._with_tools(request)
         self.check_params(request)
         if sum(x is not None for x in (request.messages, request.prompt, request.prompts)) != 1:
             raise RequestError("messages", "send either messages (chat) or prompt (completions)")
         if request.messages is not None:
-            prompts = [self._checked_ids(self._chat_ids(request.messages), "messages")]
+            prompts = [self._checked_ids(self._chat_ids(request.messages, request.tools), "messages")]
         elif request.prompt is not None:
             prompts = [self._checked_ids(self._completion_ids(request.prompt, "prompt"), "prompt")]
         else:
@@ -202,8 +206,34 @@ class LanguageModel:
             raise RequestError(param, f"token ids must be in [0, {vocab}); got {bad[:5]}")
         return list(prompt)
 
-    def _chat_ids(self, raw_messages: list[Any]) -> list[int]:
+    def _chat_ids(self, raw_messages: list[Any], tools: Tools | None = None) -> list[int]:
         raise NotImplementedError
+
+    @property
+    def tool_format(self):
+        """The tool-call format of this model's chat template (pipelines/tool_formats), or None."""
+        from pipelines.tool_formats import format_of
+
+        return format_of(self.tokenizer.chat_template)
+
+    def _with_tools(self, request: ChatRequest) -> ChatRequest:
+        """A forced tool call (required, or a named function) becomes its grammar; `auto` needs a template that
+        speaks a tool format."""
+        tools = request.tools
+        if tools is None:
+            return request
+        if request.messages is None:
+            raise RequestError("tools", "tools are for chat messages, not completions")
+        if tools.choice == "auto" and self.tool_format is None:
+            raise RequestError("tools", f"model {self.name}'s chat template renders no tool calls, so tool_choice "
+                               "auto cannot be read back; use tool_choice required or a named function")
+        if not tools.forced:
+            return request
+        if request.params.response_format is not None:
+            raise RequestError("response_format", "response_format cannot be combined with a forced tool call "
+                               "(tool_choice required or a named function): the call has its own grammar")
+        params = dataclasses.replace(request.params, response_format=tools.grammar())
+        return dataclasses.replace(request, params=params)
 
     def _tokenize(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
         """The token ids of `text`; refused unread when its characters alone cannot fit the context."""
@@ -236,19 +266,21 @@ class ChatModel(LanguageModel):
             use_fused_norms(runner.model)
         super().__init__(name, AutoTokenizer.from_pretrained(path), runner, f"{LLM_FAMILY}:{path}", config, metrics)
 
-    def _chat_ids(self, raw_messages: list[Any]) -> list[int]:
+    def _chat_ids(self, raw_messages: list[Any], tools: Tools | None = None) -> list[int]:
         messages = [_checked_message(m, i) for i, m in enumerate(raw_messages)]
         if not messages:
             raise RequestError("messages", "messages must hold at least one message")
+        checked_calls(messages, raw_messages)
         if not self.tokenizer.chat_template:
             raise RequestError("messages", f"model {self.name} has no chat template; use /v1/completions")
         # Rendered, then tokenized as apply_chat_template(tokenize=True) does, so the length is checked in between.
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  tools=None if tools is None else tools.template_tools())
         assert isinstance(text, str)  # tokenize=False: the rendered text of one conversation
         return self._tokenize(text, "messages", add_special_tokens=False)
 
 
-def _checked_message(message: Any, i: int) -> dict[str, str]:
+def _checked_message(message: Any, i: int) -> dict[str, Any]:
     where, role, content = checked_message(message, i)
     if isinstance(content, list):  # content parts: text only for a text model
         texts = []

@@ -43,6 +43,7 @@ from pipelines.omni3 import (
     talked3,
 )
 from pipelines.omni_talker import TalkerStage, talked
+from pipelines.tools import with_calls
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest
 from pipelines.vlm import VLM_FAMILY, DecodeChatMedia, VLMChatModel, decode_chat_media
 from stages.graph import Node, StageGraph, Stream
@@ -170,7 +171,12 @@ class ServedChat:
     def execution(self, request: ChatRequest) -> Execution:
         if request.speech is not None:
             raise not_speaking(self.name)
-        return Execution(chain(self.name, "llm"), {"request": self.model.generation_request(request)})
+        generation = self.model.generation_request(request)
+        graph = chain(self.name, "llm")
+        if request.tools is not None:  # the reply's calls read back from its text
+            tools, form = request.tools, self.model.tool_format
+            graph = dataclasses.replace(graph, finish=lambda outputs: with_calls(outputs, tools, form))
+        return Execution(graph, {"request": generation})
 
     def warm(self, engine: Engine) -> None:
         params = SamplingParams(temperature=0, max_tokens=1)
@@ -288,6 +294,8 @@ class ServedVLM(ServedChat):
         features: a fan-in."""
         model = self.model
         assert isinstance(model, VLMChatModel)
+        if request.tools is not None:
+            raise RequestError("tools", f"model {self.name} does not take tools yet (text chat models do)")
         needed = {"audio_encode" if part.kind == "audio" else "vision_encode" for part in parsed.media}
         encoders = [kind for kind in model.encode_stages if kind in needed]
         self.check_speech(request)

@@ -108,7 +108,9 @@ class VLMChatModel(LanguageModel):
         return {kind: token for adapter in self.adapters.values() for kind, token in adapter.token_ids.items()}
 
     # -- text-only requests (LanguageModel.generation_request) ------------------------------------------
-    def _chat_ids(self, raw_messages: list) -> list[int]:
+    def _chat_ids(self, raw_messages: list, tools=None) -> list[int]:
+        if tools is not None:
+            raise RequestError("tools", f"model {self.name} does not take tools yet (text chat models do)")
         parsed = parse_messages(raw_messages, self.vlm, self.accepts, self.name)
         if parsed.media:
             raise RequestError("messages", "requests with media parts go through Engine.asubmit_chat")

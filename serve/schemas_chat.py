@@ -126,8 +126,17 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens
     logprobs: bool | None = None  # per-token log-probabilities in choices[].logprobs.content
     top_logprobs: int | None = None  # alternatives per position; needs logprobs=true
+    tools: list[Any] | None = None  # functions the model may call: [{type: "function", function: {name, ...}}]
+    tool_choice: str | dict[str, Any] | None = None  # none | auto (the default with tools) | required | a function
+    parallel_tool_calls: bool | None = None  # several calls in one reply (default true)
     modalities: list[str] | None = None  # OpenAI's output kinds: ["text"] (the default) or ["text", "audio"]
     audio: dict[str, Any] | None = None  # OpenAI's audio output options {voice, format}: with "audio" modalities
+
+    def tool_spec(self):
+        """The request's tools (pipelines.tools.Tools), or None; RequestErrors name the field."""
+        from pipelines.tools import Tools
+
+        return Tools.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def speech_output(self, model: str, speaks: bool):
         """The spoken reply asked for (pipelines.omni.SpeechOutput), or None for text only. RequestErrors name the
@@ -346,8 +355,39 @@ class TextReply:
 
 
 class ChatReply(TextReply):
+    """Chat replies; with tools (`tools` set, choice not none) a choice's text is held back while streaming and
+    goes out at its end as its content and its `delta.tool_calls` (the calls are read from the whole text)."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, *args, tools=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.holds = tools is not None and tools.choice != "none"
+
+    def body(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        payload = super().body(outputs)
+        for choice, c in zip(payload["choices"], outputs["choices"]):
+            if "tool_calls" in c:
+                choice["message"]["content"] = c["content"]
+                choice["message"]["tool_calls"] = c["tool_calls"]
+        return payload
+
+    def delta(self, data: dict[str, Any]) -> dict[str, Any] | None:
+        return None if self.holds else super().delta(data)
+
+    def closing(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        held = []
+        for c in outputs["choices"] if self.holds else ():
+            content = c.get("content", c["text"])
+            if content:
+                held.append(self._chunk([{"index": c["index"], "delta": {"content": content}, "logprobs": None,
+                                          "finish_reason": None}]))
+            calls = [{"index": i, **call} for i, call in enumerate(c.get("tool_calls", ()))]
+            if calls:
+                held.append(self._chunk([{"index": c["index"], "delta": {"tool_calls": calls}, "logprobs": None,
+                                          "finish_reason": None}]))
+        return held + super().closing(outputs)
 
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

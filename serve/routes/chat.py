@@ -46,13 +46,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = body.sampling_params()  # the model checks its token ids against the vocabulary, once
     audio = {"id": f"audio_{uuid.uuid4().hex}", "expires_at": int(time.time()) + AUDIO_TTL_S}
     spoken_stream = speech is not None and body.stream
+    tools = body.tool_spec()
     reply = (SpokenChatReply if spoken_stream else ChatReply)(
         f"chatcmpl-{uuid.uuid4().hex}", body.model or model, engine.chat_model(model).token_texts(), params,
-        include_usage=body.include_usage, **({"audio_id": audio["id"], "expires_at": audio["expires_at"]}
-                                             if spoken_stream else {}))
+        include_usage=body.include_usage, tools=tools,
+        **({"audio_id": audio["id"], "expires_at": audio["expires_at"]} if spoken_stream else {}))
     # Image and video parts are fetched and decoded (media workers) before the request is admitted.
     handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant,
-                                                          speech=speech, lora=body.lora_entries(adapter)),
+                                                          speech=speech, lora=body.lora_entries(adapter), tools=tools),
                                        request_id=reply.id)
     if speech is None or body.stream:
         return await respond(request, handle, reply, stream=body.stream)
