@@ -33,13 +33,13 @@ from typing import Any, Callable, Hashable
 import torch
 
 from pipelines.omni import SpeechOutput
-from pipelines.omni_talker import WAIT_S, ThinkerFeed
+from pipelines.omni_talker import FedTalkerStage, ThinkerFeed
 from stages.events import EventKind, StageError
 from stages.llm import attention
 from stages.llm.multimodal import MediaSpan, attach_features, in_span_order, mrope_positions, splice
 from stages.llm.stage import GenerationRequest
 from stages.pool import PoolConfig
-from stages.stage import LoopStage, Stage, WorkItem
+from stages.stage import Stage, WorkItem
 
 SAMPLE_RATE = 24000  # code2wav's output
 CODE2WAV_POOL = PoolConfig(max_batch_size=1, max_queue=256)  # one reply (or chunk) a call (ModelSpec.pools rules)
@@ -292,6 +292,10 @@ class Talker3:
             return self.can_open(row)
         return row.logits is not None or self.text(row, 4 + len(row.frames)) is not None
 
+    def can_feed(self, row: Talker3Row) -> bool:
+        """Its drawn code 0 waits to be fed, and the text it adds is there (or the reply is over)."""
+        return row.code is not None and self.text(row, 4 + len(row.frames)) is not None
+
     def open(self, row: Talker3Row) -> None:
         """The talker's prompt (`Omni3Voice.talker_prompt`), prefilled alone at generate()'s positions (its rope
         index over the prompt's media). A reply whose turn has no fed token says nothing (generate() needs one)."""
@@ -396,26 +400,16 @@ class Talker3:
                 row.on_frame(frame)
 
 
-class Talker3Stage(LoopStage):
+class Talker3Stage(FedTalkerStage):
     """The talker's loop: a reply joins once its turn's first tokens are there (a `ReplyFeed` piece streamed from
     the thinker, or, for a prompt with media, after the thinker's reply with the encoders' features) and steps with
     the others; a streamed reply's frames go out as DELTAs {"codes": [frame]} (a frame: one code of each group). Its
     outputs are the codes [groups, frames] (and, after the thinker's reply, the llm's choices and usage)."""
 
-    kind = "talker"
+    feed_class = ReplyFeed
 
     def __init__(self, model: str, voice: Omni3Voice, max_codes: int = 4096):
-        self.model = model
-        self.voice = voice
-        self.talker = Talker3(voice, max_codes)
-        self.wake = threading.Condition()  # the feeds' (ReplyFeed.wake)
-
-    def batch_key(self, item: WorkItem) -> Hashable:
-        return self.model
-
-    def feed(self) -> ReplyFeed:
-        """A request's streaming edge from its thinker (the splitter the graph makes per request)."""
-        return ReplyFeed(self.wake)
+        super().__init__(model, voice, Talker3(voice, max_codes))
 
     def start(self, item: WorkItem) -> None:
         speech: SpeechOutput = item.inputs["speech"]
@@ -437,40 +431,12 @@ class Talker3Stage(LoopStage):
         told = (lambda frame: item.emit(EventKind.DELTA, codes=[frame])) if speech.stream else None
         item.state["row"] = Talker3Row(feed, speech, media, told, self.voice.device)
 
-    def ready(self, item: WorkItem) -> bool:
-        return self.talker.can_move(item.state["row"])
-
-    def wait(self, items: list[WorkItem]) -> None:
-        with self.wake:
-            if not any(self.ready(item) for item in items):
-                self.wake.wait(WAIT_S)
-
-    @torch.inference_mode()
-    def step(self, items: list[WorkItem]) -> None:
-        talker = self.talker
-        rows: list[Talker3Row] = [item.state["row"] for item in items]
-        for row in rows:
-            if row.cache is None and not row.finished and talker.can_open(row):
-                talker.open(row)
-        drawing = [row for row in rows if row.logits is not None and not row.finished]
-        if drawing:
-            talker.sample(drawing)
-        feeding = [row for row in rows if row.code is not None and talker.text(row, 4 + len(row.frames)) is not None]
-        if feeding:
-            talker.feed(feeding)
-
-    def is_done(self, item: WorkItem) -> bool:
-        return item.state["row"].finished
-
     def finish(self, item: WorkItem) -> dict[str, Any]:
         row: Talker3Row = item.state.pop("row")
         outputs: dict[str, Any] = {"codes": row.codes(self.talker.groups)}
         if "choices" in item.inputs:  # after the thinker's reply: its choices and usage pass on
             outputs |= {"choices": item.inputs["choices"], "usage": item.inputs["usage"]}
         return outputs
-
-    def abort(self, item: WorkItem) -> None:
-        item.state.pop("row", None)
 
 
 def talked3(inputs: dict[str, Any]) -> dict[str, Any]:

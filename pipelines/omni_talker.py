@@ -144,6 +144,11 @@ class Talker:
             return self.can_open(row)
         return row.logits is not None or row.feed.done or row.feed.fed() >= len(row.codes) + 1
 
+    def can_feed(self, row: TalkerRow) -> bool:
+        """Its drawn code waits to be fed, and the reply token it adds is there (or the reply is over)."""
+        return row.cache is not None and row.logits is None and not row.finished and \
+            (row.feed.done or row.feed.fed() >= len(row.codes) + 1)
+
     def open(self, row: TalkerRow) -> None:
         """The talker's prompt, prefilled alone: per thinker prompt position its state plus its input embedding,
         then the speaker's bos embedding, then reply token 0's sum. A reply of one sampled token fed nothing: it
@@ -226,30 +231,29 @@ class Talker:
             row.logits = out.logits[b:b + 1, -1].float()
 
 
-class TalkerStage(LoopStage):
-    """The talker's loop: each spoken request's reply joins at its thinker's first token (a `ThinkerFeed` piece)
-    and steps with the others; its codes go out as DELTAs {"codes"} for a streamed reply, and its outputs are the
-    codes and the generator state after them (token2wav continues a whole reply's stream)."""
+class FedTalkerStage(LoopStage):
+    """A talker's loop that its thinker feeds (Qwen2.5-Omni's here, Qwen3-Omni's in pipelines/omni3.py): each
+    spoken request's reply joins as a row when its feed's piece arrives and steps with the others. A step opens the
+    rows whose feed allows it (their prompts prefilled alone), draws the next code of every row that has logits,
+    and feeds in one forward the drawn codes whose next input is there (`talker.can_feed`); a row waiting on its
+    thinker sits out, and when every row waits the loop waits on the feeds. Subclasses make the row (`start`) and
+    the outputs (`finish`)."""
 
     kind = "talker"
+    feed_class: type = ThinkerFeed
 
-    def __init__(self, model: str, voice: OmniVoice, max_codes: int = 4096):
+    def __init__(self, model: str, voice, talker):
         self.model = model
         self.voice = voice
-        self.talker = Talker(voice, max_codes)
-        self.wake = threading.Condition()  # the feeds' (ThinkerFeed.wake)
+        self.talker = talker
+        self.wake = threading.Condition()  # the feeds': told of every change
 
     def batch_key(self, item: WorkItem) -> Hashable:
         return self.model
 
-    def feed(self) -> ThinkerFeed:
+    def feed(self):
         """A request's streaming edge from its thinker (the splitter the graph makes per request)."""
-        return ThinkerFeed(self.wake)
-
-    def start(self, item: WorkItem) -> None:
-        speech: SpeechOutput = item.inputs["speech"]
-        told = (lambda code: item.emit(EventKind.DELTA, codes=[code])) if speech.stream else None
-        item.state["row"] = TalkerRow(item.inputs["thinker"], speech, told)
+        return self.feed_class(self.wake)
 
     def ready(self, item: WorkItem) -> bool:
         return self.talker.can_move(item.state["row"])
@@ -269,20 +273,32 @@ class TalkerStage(LoopStage):
         drawing = [row for row in rows if row.logits is not None and not row.finished]
         if drawing:
             talker.sample(drawing)
-        feeding = [row for row in rows if row.cache is not None and row.logits is None and not row.finished
-                   and (row.feed.done or row.feed.fed() >= len(row.codes) + 1)]
+        feeding = [row for row in rows if talker.can_feed(row)]
         if feeding:
             talker.feed(feeding)
 
     def is_done(self, item: WorkItem) -> bool:
         return item.state["row"].finished
 
+    def abort(self, item: WorkItem) -> None:
+        item.state.pop("row", None)
+
+
+class TalkerStage(FedTalkerStage):
+    """Qwen2.5-Omni's talker loop: a row's codes go out as DELTAs {"codes"} for a streamed reply; its outputs are
+    the codes and the generator state after them (token2wav continues a whole reply's stream)."""
+
+    def __init__(self, model: str, voice: OmniVoice, max_codes: int = 4096):
+        super().__init__(model, voice, Talker(voice, max_codes))
+
+    def start(self, item: WorkItem) -> None:
+        speech: SpeechOutput = item.inputs["speech"]
+        told = (lambda code: item.emit(EventKind.DELTA, codes=[code])) if speech.stream else None
+        item.state["row"] = TalkerRow(item.inputs["thinker"], speech, told)
+
     def finish(self, item: WorkItem) -> dict[str, Any]:
         row: TalkerRow = item.state.pop("row")
         return {"codes": row.codes, "rng": row.state}
-
-    def abort(self, item: WorkItem) -> None:
-        item.state.pop("row", None)
 
 
 def talked(inputs: dict[str, Any]) -> dict[str, Any]:
