@@ -112,3 +112,24 @@ def vlm_engine_fixture(voices: tuple = ()):
         with running_engine(path, family="vlm", voices=voices) as eng:
             yield eng
     return engine
+
+
+def assert_cancel_after_first_audio_ends_everywhere(engine, handle) -> None:
+    """Cancel a streamed spoken request at its first audio chunk (a `vocoder` DELTA): it ends with a cancelled
+    error, no chunk follows, and every stage lets go of it (the executor is idle within 30 s)."""
+    import time
+
+    from stages.events import EventKind
+
+    after: list = []
+    for event in handle.events(timeout=300):
+        if after or (event.kind is EventKind.DELTA and event.stage == "vocoder"):
+            if not after:
+                handle.cancel()
+            after.append(event)
+    assert after[-1].kind is EventKind.ERROR and after[-1].data["code"] == "cancelled"
+    assert not [e for e in after[1:] if e.kind is EventKind.DELTA and e.stage == "vocoder"]
+    deadline = time.monotonic() + 30
+    while not engine.executor.idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.executor.idle()

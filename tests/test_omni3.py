@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import time
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,13 @@ from pipelines.omni3 import DECODE_SPAN, FIRST_CHUNK, SAMPLE_RATE, CodeChunks
 from stages.events import EventKind, StageError
 from stages.llm.params import SamplingParams
 from stages.pool import PoolConfig
-from tests.helpers import demo_path, running_engine, vlm_engine_fixture, wav_bytes
+from tests.helpers import (
+    assert_cancel_after_first_audio_ends_everywhere,
+    demo_path,
+    running_engine,
+    vlm_engine_fixture,
+    wav_bytes,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SPOKEN = SamplingParams(temperature=0, max_tokens=12)  # generate(thinker_max_new_tokens=12), stopping at eos
@@ -374,18 +379,7 @@ def test_cancel_mid_stream_ends_the_request_everywhere(engine):
     """A cancel after the first audio chunk: the request ends with a cancelled error, no chunk follows it, and every
     stage lets go of it (the executor is idle: no talker row or code2wav chunk left queued or running)."""
     handle = speak(engine, STORY, SpeechOutput("ethan", 15, stream=True))
-    after: list = []
-    for event in handle.events(timeout=120):
-        if after or (event.kind is EventKind.DELTA and event.stage == "vocoder"):
-            if not after:
-                handle.cancel()
-            after.append(event)
-    assert after[-1].kind is EventKind.ERROR and after[-1].data["code"] == "cancelled"
-    assert not [e for e in after[1:] if e.kind is EventKind.DELTA and e.stage == "vocoder"]
-    deadline = time.monotonic() + 30
-    while not engine.executor.idle() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.executor.idle()
+    assert_cancel_after_first_audio_ends_everywhere(engine, handle)
 
 
 def test_a_realtime_omni_voice_speaks_streamed_chunks(engine):

@@ -8,8 +8,6 @@ NOISE_STREAM)`), up to the chunking (3 DiT blocks of context: measured 7e-6, che
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from pipelines.chat_parts import VLMConfig
 from pipelines.omni import NOISE_STREAM, SAMPLE_RATE, SpeechOutput
 from stages.events import EventKind
 from stages.llm.params import SamplingParams
-from tests.helpers import running_engine
+from tests.helpers import assert_cancel_after_first_audio_ends_everywhere, running_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 MAX_CODES = 96  # 8 DiT blocks: chunks of 2, 4, then the 2 left
@@ -145,16 +143,4 @@ def test_streamed_replies_batch_their_chunks(engine, reference):
 def test_cancel_mid_stream_ends_the_request_everywhere(engine):
     """A cancel after the first audio chunk: the request ends with a cancelled error, no chunk follows it, and every
     stage lets go of it (the executor is idle: no window or vocoder piece left queued or running)."""
-    handle = spoken(engine, 5, stream=True)
-    after = []
-    for event in handle.events(timeout=300):
-        if after or (event.kind is EventKind.DELTA and event.stage == "vocoder"):
-            if not after:
-                handle.cancel()
-            after.append(event)
-    assert after[-1].kind is EventKind.ERROR and after[-1].data["code"] == "cancelled"
-    assert not [e for e in after[1:] if e.kind is EventKind.DELTA and e.stage == "vocoder"]
-    deadline = time.monotonic() + 30
-    while not engine.executor.idle() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.executor.idle()
+    assert_cancel_after_first_audio_ends_everywhere(engine, spoken(engine, 5, stream=True))
