@@ -10,7 +10,7 @@ PORT ?= 8000
 export HF_HUB_OFFLINE := 1
 export TRITON_INTERPRET := 1
 
-.PHONY: install serve test lint bench clean speech-tools
+.PHONY: install serve test lint bench clean speech-tools browser
 
 install: $(STAMP)
 
@@ -41,12 +41,21 @@ speech-tools:
 		true|TRUE|True|1) echo "espeak-ng is missing and could not be installed; CI=true needs the real-speech tests" >&2; exit 1;; \
 		*) echo "espeak-ng could not be installed: the real-speech tests will be skipped (with CI=true they fail)";; esac
 
+# Debian's chromium runs the playground tests (tests/test_playground.py), driven by Playwright's executable_path:
+# Playwright's own browser download is not reachable. Same policy as speech-tools: without it those tests skip,
+# except under CI=true, where this target fails.
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) || true
+	@command -v chromium >/dev/null || case "$$CI" in \
+		true|TRUE|True|1) echo "chromium is missing and could not be installed; CI=true needs the playground tests" >&2; exit 1;; \
+		*) echo "chromium could not be installed: the playground tests will be skipped (with CI=true they fail)";; esac
+
 # ruff (lint and import order, whole tree) and mypy (stages/ and pipelines/; pyproject.toml) before the suite.
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-test: install speech-tools lint
+test: install speech-tools browser lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: install

@@ -31,6 +31,7 @@ from serve.routes import (
     embeddings,
     images,
     loras,
+    playground,
     realtime_video,
     realtime_voice,
     speech,
@@ -100,6 +101,7 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.include_router(batches.router)
     app.include_router(realtime_video.router)
     app.include_router(realtime_voice.router)
+    app.include_router(playground.router)  # the page at / (serve/static/playground)
     install_error_handlers(app)
     # Request lines carry query strings (signed image links), and uvicorn's own handlers print them: masked.
     redact_loggers("uvicorn.access", "uvicorn.error")

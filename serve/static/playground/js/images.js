@@ -1,0 +1,113 @@
+// Images tab: a text-to-image request streamed over SSE. Progress events move the bar, partial images (at most
+// 3, OpenAI's cap) replace the live preview, completed images join the gallery with their parameters.
+import { isAbort, streamEvents } from "./api.js";
+import { $, el, imageUrl } from "./dom.js";
+
+const PREVIEWS = 3; // partial_images: OpenAI caps it at 3
+let running = null; // the AbortController of the request in flight
+let partialUrl = null; // the blob: URL of the preview on show, while it is a partial image (results stay)
+
+function numberField(id) {
+  const value = $(id).value.trim();
+  return value === "" ? undefined : Number(value);
+}
+
+// The request body from the form; empty fields are left to the model's defaults.
+function requestBody() {
+  const body = {
+    model: $("image-model").value,
+    prompt: $("image-prompt").value,
+    size: $("image-size").value,
+    n: numberField("image-n") ?? 1,
+    stream: true,
+    partial_images: PREVIEWS,
+  };
+  const negative = $("image-negative").value.trim();
+  if (negative) body.negative_prompt = negative;
+  const optional = { num_inference_steps: "image-steps", guidance_scale: "image-guidance", seed: "image-seed" };
+  for (const [field, id] of Object.entries(optional)) {
+    const value = numberField(id);
+    if (value !== undefined) body[field] = value;
+  }
+  return body;
+}
+
+function setRunning(controller) {
+  running = controller;
+  $("image-generate").disabled = controller !== null;
+  $("image-cancel").disabled = controller === null;
+}
+
+function status(text) {
+  $("image-status").textContent = text;
+}
+
+function showPreview(url, partial) {
+  if (partialUrl) URL.revokeObjectURL(partialUrl);
+  partialUrl = partial ? url : null;
+  const preview = $("image-preview");
+  preview.src = url;
+  preview.hidden = false;
+}
+
+function galleryItem(url, body, data, seconds) {
+  const format = data.output_format || "png";
+  const params = [["model", body.model], ["prompt", body.prompt], ["negative", body.negative_prompt ?? "—"],
+    ["size", data.size], ["steps", body.num_inference_steps ?? "default"],
+    ["guidance", body.guidance_scale ?? "default"], ["seed", data.seed], ["time", `${seconds.toFixed(1)} s`]];
+  const list = el("dl");
+  for (const [name, value] of params) list.append(el("dt", {}, name), el("dd", {}, String(value)));
+  const name = `mmserve-${body.model}-${data.seed}-${data.image_index}.${format}`.replace(/[^\w.-]+/g, "_");
+  return el("li", { class: "gallery-item" },
+    el("img", { src: url, alt: body.prompt }), list,
+    el("a", { href: url, download: name, class: "download" }, "Download"));
+}
+
+async function generate(event) {
+  event.preventDefault();
+  const body = requestBody();
+  const controller = new AbortController();
+  setRunning(controller);
+  const progress = $("image-progress");
+  progress.value = 0;
+  const started = performance.now();
+  let previews = 0;
+  status("Waiting for the server…");
+  try {
+    for await (const { event: kind, data } of streamEvents("/v1/images/generations", body, controller.signal)) {
+      const seconds = (performance.now() - started) / 1000;
+      if (kind.endsWith(".progress")) {
+        progress.value = data.step / data.total;
+        status(`Step ${data.step} of ${data.total} · ${seconds.toFixed(1)} s`);
+      } else if (kind.endsWith(".partial_image")) {
+        previews += 1;
+        showPreview(imageUrl(data.b64_json, data.output_format), true);
+      } else if (kind.endsWith(".completed")) {
+        const url = imageUrl(data.b64_json, data.output_format);
+        showPreview(url, false);
+        $("gallery").prepend(galleryItem(url, body, data, seconds));
+      } else if (kind === "error") {
+        throw new Error(data.error?.message || "the server reported an error");
+      }
+    }
+    progress.value = 1;
+    status(`Done in ${((performance.now() - started) / 1000).toFixed(1)} s (${previews} previews).`);
+  } catch (error) {
+    status(isAbort(error) ? "Cancelled." : `Failed: ${error.message}`);
+  } finally {
+    setRunning(null);
+  }
+}
+
+export function setImageModels(models) {
+  const select = $("image-model");
+  const imageModels = models.filter((m) => (m.tasks || []).includes("text-to-image"));
+  select.replaceChildren(...imageModels.map((m) => el("option", { value: m.id }, m.id)));
+  if (!imageModels.length) status("This server has no text-to-image model.");
+  $("image-generate").disabled = !imageModels.length;
+}
+
+export function initImages() {
+  $("image-form").addEventListener("submit", generate);
+  $("image-cancel").addEventListener("click", () => running?.abort());
+}
