@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -63,6 +67,35 @@ class GenerationRequest:
         return (self.prompt_ids, *self.more_prompts)
 
 
+log = logging.getLogger(__name__)
+
+
+class _Publisher:
+    """The llm loop's deltas, published in order by a thread of their own: the detokenizer and the events run
+    beside the next step's forward (torch lets go of the GIL while it computes) instead of inside the step."""
+
+    def __init__(self, model: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=f"{model}-llm-publish", daemon=True).start()
+
+    def put(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Return once everything put before has been published."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # one delta's failure must not stop the others'
+                log.exception("publishing an llm delta failed")
+
+
 class LLMStage(LoopStage):
     kind = "llm"
 
@@ -80,6 +113,7 @@ class LLMStage(LoopStage):
         self._ids = itertools.count()
         self._owner: dict[int, WorkItem] = {}  # seq id -> its request's item
         self._grammars: Grammars | None = None  # made at the first constrained request
+        self._publisher = _Publisher(model)
 
     @property
     def grammars(self) -> Grammars:
@@ -135,6 +169,7 @@ class LLMStage(LoopStage):
         return not item.state["unforked"] and all(s.finished for s in item.state["seqs"])
 
     def finish(self, item: WorkItem) -> dict[str, Any]:
+        self._publisher.drain()  # every delta out, every text complete
         seqs = sorted(item.state["seqs"], key=lambda s: s.index)
         n = item.inputs["request"].params.n
         firsts = [s for s in seqs if s.index % n == 0]  # one per prompt: its cached count is the prompt's
@@ -198,37 +233,43 @@ class LLMStage(LoopStage):
         self.metrics.llm.tokens.labels(model=self.model).inc(len(rows))
 
     def _append(self, item: WorkItem, seq: Sequence, token: int, logprob, top) -> None:
+        """The sampled token joins the sequence; whether it ends it is decided here, its text and delta are made
+        by the publisher (`_Publisher`) unless stop strings need the text now."""
         p = seq.params
+        ended = token in self.eos_token_ids and not p.ignore_eos or token in p.stop_token_ids
         if seq.matcher is not None:  # the grammar takes the token (its mask allowed only such tokens)
             seq.matcher.accept_token(token)
-            if seq.matcher.is_terminated():  # complete: its end token ends the sequence, whatever ignore_eos says
-                seq.output_ids.append(token)
-                self._publish(item, seq, seq.output.finish().text, "stop")
-                return
-        if token in self.eos_token_ids and not p.ignore_eos or token in p.stop_token_ids:
-            seq.output_ids.append(token)
-            self._publish(item, seq, seq.output.finish().text, "stop")
-            return
+            ended = ended or seq.matcher.is_terminated()  # complete: its end token ends it, whatever ignore_eos says
         seq.output_ids.append(token)
+        if ended:  # the end token's text is not part of the output
+            self._publish(item, seq, None, "stop")
+            return
         entry = None
         if p.logprobs:
             entry = {"token_id": token, "logprob": logprob, "top_logprobs": top}
             seq.logprobs.append(entry)
-        delta = seq.output.push(token)
+        full = (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
+            seq.num_tokens >= self.runner.max_context
+        if not p.stop:
+            self._publish(item, seq, token, "length" if full else None, entry)
+            return
+        delta = seq.output.push(token)  # stop strings: the text decides whether it ends, so it is made now
         if delta.stopped:
-            self._publish(item, seq, delta.text, "stop", entry)
-        elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
-                seq.num_tokens >= self.runner.max_context:
+            self._publish(item, seq, None, "stop", entry, text=delta.text)
+        elif full:
             final = seq.output.finish()  # a held stop string may still settle here
-            self._publish(item, seq, delta.text + final.text, "stop" if final.stopped else "length", entry)
+            self._publish(item, seq, None, "stop" if final.stopped else "length", entry, text=delta.text + final.text)
         else:
-            self._publish(item, seq, delta.text, None, entry)
+            self._publish(item, seq, None, None, entry, text=delta.text)
 
-    def _publish(self, item: WorkItem, seq: Sequence, text: str, finish_reason: str | None, logprobs=None) -> None:
-        """Stream one delta; `logprobs` is the entry of the token sampled now, if it was asked for."""
+    def _publish(self, item: WorkItem, seq: Sequence, token: int | None, finish_reason: str | None, logprobs=None,
+                 text: str | None = None) -> None:
+        """Stream one delta: `token`'s text (or `text` when it was made already) and, when the sequence ends, what
+        the detokenizer still held; `logprobs` is the entry of the token sampled now, if it was asked for. The
+        sequence's end is recorded now; the text is made and the delta emitted by the publisher, in order."""
         if finish_reason is not None:
             self._finish_seq(seq, finish_reason)
-        data = {"index": seq.index, "text": text, "finish_reason": finish_reason}
+        data: dict[str, Any] = {"index": seq.index, "finish_reason": finish_reason}
         if logprobs is not None:
             data["logprobs"] = logprobs
         if seq.hidden is not None:  # a speech decoder reads the reply as it is written (pipelines/omni_talker.py)
@@ -238,7 +279,16 @@ class LLMStage(LoopStage):
             data["hidden"] = torch.stack(seq.hidden[seq.hidden_sent:]) if len(seq.hidden) > seq.hidden_sent else \
                 torch.zeros(0, self.runner.hidden_size)
             seq.hidden_sent = max(seq.hidden_sent, len(seq.hidden))
-        item.emit(EventKind.DELTA, **data)
+
+        def emit() -> None:
+            made = text
+            if made is None:
+                made = seq.output.push(token).text if token is not None else ""
+                if finish_reason is not None:
+                    made += seq.output.finish().text
+            item.emit(EventKind.DELTA, text=made, **data)
+
+        self._publisher.put(emit)
 
     def _fail_request(self, item: WorkItem, message: str) -> None:
         for seq in item.state["seqs"]:
