@@ -276,17 +276,20 @@ class Engine:
 
         Events: with `heard`, OUTPUTS {"outputs": the asr's} first; the llm's DELTAs {"text", ...}; with speech,
         the tts's DELTAs {"audio", "sample_rate", "piece",
-        "text" (on a phrase's first chunk)} in phrase order; FINAL as `turn_graph` says.
+        "text" (on a phrase's first chunk)} in phrase order; FINAL as `turn_graph` says. With `request.chat.tools`
+        the FINAL llm outputs carry the reply's calls and a call is never spoken (pipelines/voice_turn.py).
         """
         spec = self.voice_model(voice)
         chat = self.chat_model(spec.chat)
         speaker = None if request.speech is None else self.speech_model(spec.tts)
+        tools = request.chat.tools
+        form = None if tools is None else chat.tool_format
         if request.heard is None:
-            graph = turn_graph(spec.chat, spec.tts, request.speech, speaker)
+            graph = turn_graph(spec.chat, spec.tts, request.speech, speaker, tools=tools, form=form)
             return self.run(spec.chat, Execution(graph, {"request": fit_prompt(chat, request.chat)}), fence=fence)
         heard = self._served_as(spec.asr, ServedTranscription).execution(request.heard.request).inputs["request"]
         graph = turn_graph(spec.chat, spec.tts, request.speech, speaker, asr=spec.asr, asr_job=heard,
-                           prepare=heard_prompt(chat, request.chat, request.heard))
+                           prepare=heard_prompt(chat, request.chat, request.heard), tools=tools, form=form)
         return self.run(spec.chat, Execution(graph, {}), fence=fence)
 
     def chat_model(self, model: str) -> LanguageModel:

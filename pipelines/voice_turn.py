@@ -19,12 +19,19 @@ session's epoch) stops every node.
 
 FINAL outputs: with audio {"pieces": [tts outputs per phrase], "llm": the llm's outputs}; without, the
 llm's outputs ({"choices", "usage"}).
+
+With tools (the chat request's `tools`, choice other than none) the reply may be a function call, whose JSON must
+never be spoken: a forced call (required, a named function) is grammar-constrained and the turn has no tts node; with
+auto the splitter holds the whole reply and speaks it only once it is known not to be a call (the first audio comes
+after the LLM's last token). The llm's outputs carry the calls read from the text (`tool_calls`, `content`,
+finish_reason "tool_calls"), as a chat completion's do (pipelines/tools.py `with_calls`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,7 @@ from pipelines.asr import TranscriptionRequest
 from pipelines.chat import ChatRequest, LanguageModel
 from pipelines.image_request import RequestError
 from pipelines.phrases import PhraseLimits, PhraseSplitter
+from pipelines.tools import Tools, with_calls
 from pipelines.tts import SpeechModel, SpeechRequest
 from stages.graph import Node, StageGraph, Stream
 
@@ -53,24 +61,37 @@ class HeardSpeech:
 
 @dataclass(frozen=True)
 class VoiceTurnRequest:
-    chat: ChatRequest  # what the LLM answers
+    chat: ChatRequest  # what the LLM answers (its `tools`: the functions it may call instead)
     speech: SpeechRequest | None = None  # how to speak it (voice, speed, rate, tenant; its `input` is unused);
-    #                                      None: text only
+    #                                      None: text only (and a forced tool call is never spoken)
     heard: HeardSpeech | None = None  # the utterance the turn transcribes first; None: the chat is complete
 
 
 class PhraseSpeech:
     """The llm ⇢ tts edge's splitter: text deltas -> phrases -> speech jobs (one piece per phrase)."""
 
-    def __init__(self, model: SpeechModel, speech: SpeechRequest, limits: PhraseLimits = VOICE_PHRASES):
+    def __init__(self, model: SpeechModel, speech: SpeechRequest, limits: PhraseLimits = VOICE_PHRASES,
+                 hold: Callable[[str], bool] | None = None):
+        """`hold`: the reply may be a tool call (tool_choice auto): the text is held whole, then spoken unless
+        `hold(text)` says it is a call."""
         self.model = model
         self.speech = speech
         self.splitter = PhraseSplitter(limits)
+        self.hold = hold
+        self.held: list[str] = []
 
     def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.hold is not None:
+            self.held.append(delta.get("text", ""))
+            return []
         return self._pieces(self.splitter.feed(delta.get("text", "")))
 
     def flush(self, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.hold is not None:
+            text = "".join(self.held)
+            if self.hold(text):
+                return []  # a call: nothing to say
+            return self._pieces(self.splitter.feed(text) + self.splitter.flush())
         return self._pieces(self.splitter.flush())
 
     def _pieces(self, phrases: list[str]) -> list[dict[str, Any]]:
@@ -90,10 +111,30 @@ class PhraseSpeech:
 
 
 def turn_graph(chat: str, tts: str | None, speech: SpeechRequest | None, model: SpeechModel | None, *,
-               asr: str | None = None, asr_job: Any = None, prepare=None) -> StageGraph:
+               asr: str | None = None, asr_job: Any = None, prepare=None, tools: Tools | None = None,
+               form=None) -> StageGraph:
     """The turn's graph over the chat model's llm pool and, with speech, the speech model's tts pool; with
     `asr` (a speech recognition model), an asr node running `asr_job` first, whose outputs `prepare` makes
-    into the llm's inputs."""
+    into the llm's inputs. With `tools` (`form`: the chat template's tool format) the reply's calls are read into
+    the llm's outputs, and no call is spoken (the module's docstring says how)."""
+    if tools is not None and tools.choice == "none":
+        tools = None
+    if tools is not None and tools.forced:
+        speech = None  # the reply is a call: nothing to speak
+    graph = _turn_graph(chat, tts, speech, model, asr, asr_job, prepare, tools, form)
+    if tools is None:
+        return graph
+    calls, reader = tools, form
+
+    def finish(outputs: dict[str, Any]) -> dict[str, Any]:
+        if "llm" in outputs:
+            return {**outputs, "llm": with_calls(outputs["llm"], calls, reader)}
+        return with_calls(outputs, calls, reader)
+    return dataclasses.replace(graph, finish=finish)
+
+
+def _turn_graph(chat: str, tts: str | None, speech: SpeechRequest | None, model: SpeechModel | None,
+                asr: str | None, asr_job: Any, prepare, tools: Tools | None, form) -> StageGraph:
     nodes = []
     if asr is not None:
         nodes.append(Node("asr", f"{asr}/asr", params={"request": asr_job}, publish=True))
@@ -104,7 +145,8 @@ def turn_graph(chat: str, tts: str | None, speech: SpeechRequest | None, model: 
     if speech is None:
         return StageGraph(tuple(nodes), "llm")
     assert tts is not None and model is not None
-    split = lambda: PhraseSpeech(model, speech)  # noqa: E731  (a fresh splitter per request)
+    hold = None if tools is None else (lambda text: bool(tools.read(text, form)[1]))
+    split = lambda: PhraseSpeech(model, speech, hold=hold)  # noqa: E731  (a fresh splitter per request)
     nodes.append(Node("tts", f"{tts}/tts", stream=Stream("llm", split, carry=("text",))))
     return StageGraph(tuple(nodes), "tts")
 
@@ -120,6 +162,8 @@ def fit_prompt(model: LanguageModel, chat: ChatRequest):
             if exc.code != "context_length_exceeded" or len(messages) <= 2:
                 raise
             messages = messages[:1] + messages[2:]
+            while len(messages) > 2 and messages[1]["role"] == "tool":  # a result whose call was left out
+                messages = messages[:1] + messages[2:]
 
 
 def heard_prompt(model: LanguageModel, chat: ChatRequest, heard: HeardSpeech):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from realtime.voice.audio_codec import AudioDecodeError, b64decode, decode
 from realtime.voice.items import Item, new_id
-from realtime.voice.protocol import ProtocolError, parse_item
+from realtime.voice.protocol import ProtocolError, parse_function_item, parse_item
 from realtime.voice.vad import SAMPLE_RATE
 from stages.speech.audio_dsp import resample
 
@@ -25,10 +25,14 @@ if TYPE_CHECKING:
 class ItemControl:
     async def _item_create(self, event: dict, inbound: Inbound) -> None:
         self.disarm_idle()
-        spec = parse_item(event.get("item"), "item")
+        raw = event.get("item")
         previous_id = event.get("previous_item_id")
         if previous_id is not None and not isinstance(previous_id, str):
             raise ProtocolError("invalid_value", "previous_item_id must be a string", param="previous_item_id")
+        if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
+            await self._function_item_create(parse_function_item(raw, "item"), previous_id)
+            return
+        spec = parse_item(raw, "item")
         item = Item(spec["id"] or new_id("item"), spec["role"], "text", text=spec["text"])
         samples = None
         if spec["audio"] is not None:
@@ -46,6 +50,22 @@ class ItemControl:
                          "item": item.wire(self.config.beta)})
         if item.id in self._announced:
             self._announced[item.id].set()
+
+    async def _function_item_create(self, spec: dict, previous_id: str | None) -> None:
+        """A function call (the client may replay one) or, usually, the output of one the model made: it must answer
+        a call in the conversation, which the next response's prompt then holds with its result."""
+        if spec["type"] == "function_call":
+            item = Item(spec["id"] or new_id("item"), "assistant", "function_call", call_id=spec["call_id"],
+                        name=spec["name"], arguments=spec["arguments"])
+        else:
+            if self.conversation.call(spec["call_id"]) is None:
+                raise ProtocolError("invalid_value", f"item.call_id {spec['call_id']!r} answers no function_call "
+                                    "in the conversation", param="item.call_id")
+            item = Item(spec["id"] or new_id("item"), "tool", "function_call_output", call_id=spec["call_id"],
+                        text=spec["output"])
+        previous = self.conversation.add(item, previous_id)
+        await self.emit({"type": "conversation.item.created", "previous_item_id": previous,
+                         "item": item.wire(self.config.beta)})
 
     def hear(self, item: Item) -> None:
         """An omni voice keeps a user item's audio for its model to hear (the ASR lane keeps none); only the latest

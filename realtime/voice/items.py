@@ -5,6 +5,9 @@ History keeps only what was heard (book ch.21): an assistant audio item remember
 phrase's audio lies in it, so truncating it to `heard_ms` keeps the phrases heard whole plus the
 heard share of the words of the phrase that was playing. The full generated text stays on the
 item as diagnostic state (`text`), never in the history the language model sees.
+
+Function calling adds two kinds of item: a `function_call` (the assistant's call: `call_id`, `name`, `arguments`)
+and a `function_call_output` (the tool's result the client sends back, as `text`). They have no audio.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class Phrase:
 @dataclass
 class Item:
     id: str
-    role: str  # "system", "user", "assistant"
-    kind: str  # "text" or "audio"
+    role: str  # "system", "user", "assistant" ("tool" for a function_call_output)
+    kind: str  # "text", "audio", "function_call" or "function_call_output"
     text: str = ""  # the text, or the (full) transcript of the audio
     status: str = "completed"  # "in_progress" while a response writes it, "incomplete" when cut short
     transcript: asyncio.Future | None = None  # user audio: resolves to the ASR's final text (gates the response)
@@ -42,6 +45,9 @@ class Item:
     phrases: list[Phrase] = field(default_factory=list)  # assistant audio: the phrases laid out on its audio
     heard_ms: float | None = None  # truncated here (None: all of it was heard, or it has no audio)
     audio: np.ndarray | None = None  # user audio an omni voice hears (16 kHz); the cascade keeps transcripts only
+    call_id: str = ""  # a function_call and its function_call_output share it
+    name: str = ""  # a function_call's function
+    arguments: str = ""  # a function_call's arguments (JSON text)
 
     @property
     def history_text(self) -> str:
@@ -59,6 +65,12 @@ class Item:
 
     def wire(self, beta: bool) -> dict[str, Any]:
         """The item as events carry it (GA or beta content types)."""
+        if self.kind == "function_call":
+            return {"id": self.id, "object": "realtime.item", "type": "function_call", "status": self.status,
+                    "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+        if self.kind == "function_call_output":
+            return {"id": self.id, "object": "realtime.item", "type": "function_call_output", "status": self.status,
+                    "call_id": self.call_id, "output": self.text}
         if self.role == "assistant":
             if self.kind == "audio":
                 part = {"type": content_type("output_audio", beta), "transcript": self.history_text}
@@ -111,6 +123,10 @@ class Conversation:
             index = self._items.index(after) + 1
         self._items.insert(index, item)
         return self._items[index - 1].id if index > 0 else None
+
+    def call(self, call_id: str) -> Item | None:
+        """The function_call item of `call_id`, if the conversation holds it."""
+        return next((i for i in self._items if i.kind == "function_call" and i.call_id == call_id), None)
 
     def delete(self, item_id: Any) -> Item:
         item = self.get(item_id)

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pipelines.image_request import RequestError
+from pipelines.tools import Tools
 from realtime.sessions import ProtocolError  # noqa: F401  (raised here; importers take it from this module too)
 from realtime.voice.audio_codec import FORMATS, GA_FORMATS, PCM16, AudioFormat
 
@@ -34,9 +36,12 @@ BETA_SESSION_KEYS = frozenset({"modalities", "input_audio_format", "output_audio
                                "input_audio_transcription", "max_response_output_tokens",
                                "input_audio_noise_reduction", "speed", "client_secret"})
 GA_SESSION_KEYS = frozenset({"type", "audio", "output_modalities", "max_output_tokens"})
-IGNORED_SESSION_KEYS = frozenset({"tracing", "include", "truncation", "prompt", "tool_choice", "temperature",
+IGNORED_SESSION_KEYS = frozenset({"tracing", "include", "truncation", "prompt", "temperature",
                                   "noise_reduction", "input_audio_noise_reduction", "client_secret", "expires_at",
-                                  "id", "object", "parallel_tool_calls", "reasoning"})
+                                  "id", "object", "reasoning"})
+TOOL_KEYS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+# The tool choices a cascade's chat model serves when its template has no tool format: `auto` cannot be read back.
+FORCED_CHOICES = frozenset({"none", "required", "function"})
 BETA_NAMES = {  # GA name -> beta name (the rest are the same in both)
     "response.output_audio.delta": "response.audio.delta",
     "response.output_audio.done": "response.audio.done",
@@ -81,6 +86,8 @@ class SessionConfig:
     transcription_language: str | None = None  # hints for the ASR model
     transcription_prompt: str | None = None
     beta: bool = False  # emit beta event names and shapes
+    tools: Tools | None = None  # the functions the model may call (pipelines/tools.py); None: no tools
+    tool_choice: Any = "auto"  # as the client set it (realtime's shape): kept apart, it applies once tools come
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,12 @@ class ResponseParams:
     conversation: str = "auto"  # "none": the response is not added to the conversation
     metadata: dict[str, str] | None = None
     input_items: tuple[dict[str, Any], ...] | None = None  # conversation "none": the context to answer instead
+    tools: Tools | None = None  # the session's tools, or the response's own; None: no tools
+
+    @property
+    def calls(self) -> bool:
+        """The reply may be a function call (tools with a choice other than none): its text is held back."""
+        return self.tools is not None and self.tools.choice != "none"
 
 
 def parse_client_event(message: str | bytes, max_bytes: int) -> dict[str, Any]:
@@ -126,11 +139,14 @@ def is_beta_session(session: dict[str, Any]) -> bool:
 
 
 def apply_session_update(config: SessionConfig, session: Any, *, model: str, voices: tuple[str, ...],
-                         max_tokens_cap: int, voice_locked: bool) -> SessionConfig:
-    """`session.update`'s `session` (GA or beta shape) over `config`. Raises ProtocolError naming the field."""
+                         max_tokens_cap: int, voice_locked: bool,
+                         tool_choices: frozenset[str] = FORCED_CHOICES) -> SessionConfig:
+    """`session.update`'s `session` (GA or beta shape) over `config`. Raises ProtocolError naming the field.
+    `tool_choices`: the tool choices the voice's chat model serves (`FORCED_CHOICES` plus auto when its template
+    has a tool format; none at all for a model that takes no tools)."""
     if not isinstance(session, dict):
         raise ProtocolError("invalid_value", "session must be an object", param="session")
-    known = GA_SESSION_KEYS | BETA_SESSION_KEYS | IGNORED_SESSION_KEYS | {"model", "instructions", "tools"}
+    known = GA_SESSION_KEYS | BETA_SESSION_KEYS | IGNORED_SESSION_KEYS | TOOL_KEYS | {"model", "instructions"}
     unknown = sorted(set(session) - known)
     if unknown:
         raise ProtocolError("unknown_parameter", f"unknown session parameter(s) {unknown}",
@@ -142,9 +158,8 @@ def apply_session_update(config: SessionConfig, session: Any, *, model: str, voi
     if session.get("model") not in (None, model):
         raise ProtocolError("invalid_value", f"the session's model is {model!r} (set by the connection URL); it cannot "
                                              f"change to {session['model']!r}", param="session.model")
-    if session.get("tools"):
-        raise ProtocolError("unsupported_value", "tools (function calling) are not supported by voice models here",
-                            param="session.tools")
+    if TOOL_KEYS & set(session):
+        values["tools"], values["tool_choice"] = parse_tools(session, config, "session", tool_choices)
     if "instructions" in session:
         values["instructions"] = _text(session["instructions"], "session.instructions", MAX_INSTRUCTIONS_CHARS)
     for key in ("output_modalities", "modalities"):
@@ -199,22 +214,24 @@ def apply_session_update(config: SessionConfig, session: Any, *, model: str, voi
     return replace(config, **values)
 
 
-def parse_response_params(response: Any, config: SessionConfig, max_tokens_cap: int) -> ResponseParams:
-    """`response.create`'s optional `response` object over the session's configuration."""
+def parse_response_params(response: Any, config: SessionConfig, max_tokens_cap: int,
+                          tool_choices: frozenset[str] = FORCED_CHOICES) -> ResponseParams:
+    """`response.create`'s optional `response` object over the session's configuration (its `tools` and
+    `tool_choice` apply to this response only)."""
     if response is None:
         response = {}
     if not isinstance(response, dict):
         raise ProtocolError("invalid_value", "response must be an object", param="response")
     allowed = {"output_modalities", "modalities", "instructions", "max_output_tokens", "max_response_output_tokens",
                "conversation", "metadata", "input", "temperature", "tool_choice", "tools", "voice", "audio",
-               "output_audio_format", "prompt"}
+               "output_audio_format", "prompt", "parallel_tool_calls"}
     unknown = sorted(set(response) - allowed)
     if unknown:
         raise ProtocolError("unknown_parameter", f"unknown response parameter(s) {unknown}",
                             param=f"response.{unknown[0]}")
-    if response.get("tools"):
-        raise ProtocolError("unsupported_value", "tools (function calling) are not supported by voice models here",
-                            param="response.tools")
+    tools = config.tools
+    if TOOL_KEYS & set(response):
+        tools = parse_tools(response, config, "response", tool_choices)[0]
     for key in ("voice", "audio", "output_audio_format"):
         if response.get(key):
             raise ProtocolError("unsupported_value", f"response.{key}: set the voice and audio format with "
@@ -248,7 +265,80 @@ def parse_response_params(response: Any, config: SessionConfig, max_tokens_cap: 
     temperature = config.temperature
     if "temperature" in response:
         temperature = _number(response["temperature"], "response.temperature", 0.0, 2.0)
-    return ResponseParams(mods, instructions, tokens, temperature, conversation, metadata, items)
+    return ResponseParams(mods, instructions, tokens, temperature, conversation, metadata, items, tools)
+
+
+def parse_tools(fields: dict[str, Any], config: SessionConfig, scope: str,
+                tool_choices: frozenset[str]) -> tuple[Tools | None, Any]:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a session.update or response.create (realtime's flat
+    shape: `{type: "function", name, description, parameters}`, `{type: "function", name}`) over the session's ->
+    (Tools or None, the tool_choice as sent). Checked as chat's are (pipelines/tools.py, through their chat shape);
+    errors name the field under `scope`."""
+    tools = fields.get("tools", ...)
+    if tools is ...:
+        tools = [wire_tool(f) for f in config.tools.functions] if config.tools is not None else None
+    choice = fields.get("tool_choice", config.tool_choice)
+    parallel = fields.get("parallel_tool_calls", None if config.tools is None else config.tools.parallel)
+    if tools is not None and not isinstance(tools, list):
+        raise ProtocolError("invalid_value", f"{scope}.tools must be a list of functions", param=f"{scope}.tools")
+    chat_tools = []
+    for i, tool in enumerate(tools or ()):
+        where = f"{scope}.tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ProtocolError("unsupported_value", f"{where} must be {{\"type\": \"function\", \"name\", "
+                                "\"description\", \"parameters\"}} (only function tools are served)", param=where)
+        unknown = sorted(set(tool) - {"type", "name", "description", "parameters"})
+        if unknown:
+            raise ProtocolError("unknown_parameter", f"unknown {where} parameter(s) {unknown}",
+                                param=f"{where}.{unknown[0]}")
+        chat_tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    chat_choice = choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ProtocolError("invalid_value", f"{scope}.tool_choice must be auto, none, required or "
+                                "{\"type\": \"function\", \"name\": ...}", param=f"{scope}.tool_choice")
+        chat_choice = {"type": "function", "function": {"name": choice["name"]}}
+    try:
+        parsed = Tools.parse(chat_tools or None, None if chat_choice == "auto" and not chat_tools else chat_choice,
+                             parallel)
+    except RequestError as exc:
+        param = f"{scope}.{exc.param.replace('.function.', '.')}"
+        message = exc.message.replace("tools[", f"{scope}.tools[").replace(".function.", ".")
+        raise ProtocolError(exc.code, message, param=param) from None
+    if parsed is not None and parsed.choice not in tool_choices:
+        if not tool_choices:
+            raise ProtocolError("unsupported_value", "this voice's model takes no tools (function calling is served "
+                                "by cascade voices)", param=f"{scope}.tools")
+        raise ProtocolError("unsupported_value", "tool_choice auto needs a chat model whose template renders tool "
+                            "calls, so that they can be read back; this voice's does not: use tool_choice required or "
+                            "a named function", param=f"{scope}.tools")
+    return parsed, choice
+
+
+def wire_tool(function) -> dict[str, Any]:
+    """A function (pipelines.tools.Function) in realtime's flat shape."""
+    return {"type": "function", "name": function.name, "description": function.description,
+            "parameters": function.schema()}
+
+
+def parse_function_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A `function_call` or `function_call_output` item of `conversation.item.create` -> {"id", "type", "call_id",
+    "name", "arguments", "output"} (the client runs the tool and sends its output as text)."""
+    kind = item["type"]
+    fields = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    unknown = sorted(set(item) - {"type", "id", "object", "status", *fields})
+    if unknown:
+        raise ProtocolError("unknown_parameter", f"unknown {where} parameter(s) {unknown}",
+                            param=f"{where}.{unknown[0]}")
+    item_id = item.get("id")
+    if item_id is not None and (not isinstance(item_id, str) or not 1 <= len(item_id) <= 64):
+        raise ProtocolError("invalid_value", f"{where}.id must be a string of 1..64 characters", param=f"{where}.id")
+    spec: dict[str, Any] = {"id": item_id, "type": kind, "name": "", "arguments": "", "output": ""}
+    for key in fields:
+        spec[key] = _text(item.get(key), f"{where}.{key}", 64 if key in ("call_id", "name") else MAX_TEXT_CHARS)
+    if not spec["call_id"]:
+        raise ProtocolError("invalid_value", f"{where}.call_id must not be empty", param=f"{where}.call_id")
+    return spec
 
 
 def parse_item(item: Any, where: str, *, allow_audio: bool = True) -> dict[str, Any]:
@@ -353,13 +443,15 @@ def session_object(config: SessionConfig, *, session_id: str, model: str) -> dic
     td = config.turn_detection.wire() if config.turn_detection is not None else None
     transcription = {"model": model, "language": config.transcription_language, "prompt": config.transcription_prompt}
     max_tokens_value = config.max_output_tokens
+    tools = [wire_tool(f) for f in config.tools.functions] if config.tools is not None else []
     if config.beta:
         return {"id": session_id, "object": "realtime.session", "model": model,
                 "modalities": list(config.output_modalities)
                 + (["text"] if "audio" in config.output_modalities else []),
                 "instructions": config.instructions, "voice": config.voice,
                 "input_audio_format": config.input_format.name, "output_audio_format": config.output_format.name,
-                "input_audio_transcription": transcription, "turn_detection": td, "tools": [], "tool_choice": "auto",
+                "input_audio_transcription": transcription, "turn_detection": td, "tools": tools,
+                "tool_choice": config.tool_choice,
                 "temperature": config.temperature, "max_response_output_tokens": max_tokens_value,
                 "speed": config.speed}
     return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
@@ -367,7 +459,7 @@ def session_object(config: SessionConfig, *, session_id: str, model: str) -> dic
             "audio": {"input": {"format": config.input_format.ga(), "transcription": transcription,
                                 "turn_detection": td, "noise_reduction": None},
                       "output": {"format": config.output_format.ga(), "voice": config.voice, "speed": config.speed}},
-            "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens_value}
+            "tools": tools, "tool_choice": config.tool_choice, "max_output_tokens": max_tokens_value}
 
 
 def event_name(name: str, beta: bool) -> str:

@@ -93,6 +93,8 @@ class Response:
     usage: dict[str, int] = field(default_factory=dict)
     late_deltas: int = 0  # audio deltas sent after the interruption was seen (must stay 0)
     claim: Claim | None = None  # its claim on the final decode of the utterance that ended the turn
+    calls: list[Item] = field(default_factory=list)  # the function_call items it made (output after its message)
+    holding: bool = False  # tools: the LLM's text is held until the reply is known not to be a call
 
     @property
     def output_rate(self) -> int:
@@ -163,9 +165,20 @@ class ResponseRunner:
             await s.complete_response(r, status, reason, error)
 
     async def _open(self) -> None:
-        """Every user transcript is final: the assistant item opens (its events follow the transcript's)."""
+        """Every user transcript is final: the assistant item opens (its events follow the transcript's), unless the
+        reply may be a function call: then it opens once the reply is known not to be one (`_release`)."""
         self.r.timings.asr_final = self.s.clock()
-        await self.s.open_output_item(self.r)
+        if not self.r.holding:
+            await self.s.open_output_item(self.r)
+
+    async def _release(self, name: str) -> None:
+        """The held reply is not a call: its message item opens and its text goes out as one delta."""
+        s, r = self.s, self.r
+        r.holding = False
+        await s.open_output_item(r)
+        if r.item.text:
+            await s.emit({"type": event_name(name, s.config.beta), "response_id": r.id, "item_id": r.item.id,
+                          "output_index": 0, "content_index": 0, "delta": r.item.text}, guard=self.current)
 
     async def _heard(self, text: str) -> None:
         """The graph's asr node is done: the lane announces its transcript; then the answer's item opens (the
@@ -229,7 +242,9 @@ class ResponseRunner:
         else:
             tts = SpeechRequest("", voice=r.voice, speed=r.speed, sample_rate=r.output_rate,
                                 tenant=s.tenant) if r.audio else None
-            request = VoiceTurnRequest(ChatRequest(messages=messages, params=params, tenant=s.tenant), tts, heard)
+            tools = r.params.tools if r.params.calls else None
+            request = VoiceTurnRequest(ChatRequest(messages=messages, params=params, tenant=s.tenant, tools=tools),
+                                       tts, heard)
             handle = await self._submit(asyncio.to_thread(s.engine.submit_voice_turn, s.spec.name, request,
                                                           fence=self.current))
         finish = None
@@ -248,12 +263,16 @@ class ResponseRunner:
                     if r.timings.llm_first is None:
                         r.timings.llm_first = s.clock()
                     r.item.text += text
+                    if r.holding:  # it may be a call: nothing of it goes out yet
+                        continue
                     await s.emit({"type": event_name(name, s.config.beta), "response_id": r.id,
                                   "item_id": r.item.id, "output_index": 0, "content_index": 0, "delta": text},
                                  guard=self.current)
                 elif event.kind is EventKind.STAGE_STARTED and event.stage in ("tts", "talker"):
                     r.timings.tts_submit = s.clock()  # the first phrase (or the reply) was handed to the speech
                 elif event.kind is EventKind.DELTA and event.stage == "tts" and audio is not None:
+                    if r.holding:  # the graph speaks it: not a call
+                        await self._release(name)
                     if r.timings.tts_first is None:
                         r.timings.tts_first = s.clock()
                     # a phrase's text goes with its first chunk (a phrase the TTS split further: later ones "")
@@ -272,7 +291,12 @@ class ResponseRunner:
                     outputs = event.data["outputs"]
                     llm = outputs["llm"] if "llm" in outputs else outputs
                     r.usage = dict(llm.get("usage") or {})
-                    finish = (llm.get("choices") or [{}])[0].get("finish_reason") or finish
+                    choice = (llm.get("choices") or [{}])[0]
+                    finish = choice.get("finish_reason") or finish
+                    if choice.get("tool_calls"):
+                        await s.open_calls(r, choice["tool_calls"], self.current)
+                    elif r.holding:
+                        await self._release(name)
                     if audio is not None and r.item.text[spoken:] and "audio" in outputs:  # an omni reply's last
                         await audio.put((r.item.text[spoken:], np.zeros(0, np.float32)))  # words: on its last chunk
         finally:

@@ -40,7 +40,7 @@ from realtime.voice.input_buffer import InputBufferControl
 from realtime.voice.item_control import ItemControl
 from realtime.voice.items import Conversation, PlaybackClock, new_id
 from realtime.voice.metrics import VoiceMetrics
-from realtime.voice.protocol import ProtocolError, SessionConfig, event_name, parse_client_event
+from realtime.voice.protocol import FORCED_CHOICES, ProtocolError, SessionConfig, event_name, parse_client_event
 from realtime.voice.response import OutputChunk, Response
 from realtime.voice.session_control import SessionControl
 from realtime.voice.turns import ResponseControl
@@ -73,6 +73,9 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
         self.conversation = Conversation(limits.max_items)
         self.playback = PlaybackClock()
         self.asr: AsrLane | HeardAudioLane
+        # the tool choices its chat model serves: auto only when its template's tool calls can be read back
+        self.tool_choices = frozenset() if spec.omni else \
+            FORCED_CHOICES | ({"auto"} if engine.chat_model(spec.chat).tool_format is not None else set())
         if spec.omni:  # the model hears the audio itself: kept, not transcribed
             omni = engine.chat_model(spec.omni)
             self.asr, self.max_heard = HeardAudioLane(omni.max_audio_s(engine.config.media)), omni.vlm.max_audios

@@ -24,7 +24,8 @@ class SessionControl:
         session = event.get("session")
         beta = self.config.beta or (not self._updated and isinstance(session, dict) and is_beta_session(session))
         config = apply_session_update(self.config, session, model=self.spec.name, voices=self.voices,
-                                      max_tokens_cap=self.spec.max_output_tokens, voice_locked=self._voice_used)
+                                      max_tokens_cap=self.spec.max_output_tokens, voice_locked=self._voice_used,
+                                      tool_choices=self.tool_choices)
         if not self.spec.omni and (config.transcription_language, config.transcription_prompt) != \
                 (self.config.transcription_language, self.config.transcription_prompt):
             try:

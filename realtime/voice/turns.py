@@ -30,7 +30,8 @@ class ResponseControl:
         if self.response is not None:
             raise ProtocolError("conversation_already_has_active_response", "the conversation already has an active "
                                 f"response ({self.response.id}); wait for its response.done or cancel it")
-        params = parse_response_params(event.get("response"), self.config, self.spec.max_output_tokens)
+        params = parse_response_params(event.get("response"), self.config, self.spec.max_output_tokens,
+                                       self.tool_choices)
         await self._start_response(params, inbound.received_at)
 
     async def _response_cancel(self, event: dict, inbound: Inbound) -> None:
@@ -59,7 +60,7 @@ class ResponseControl:
     # -- a response's course ------------------------------------------------------------------------------
     def _default_params(self) -> ResponseParams:
         c = self.config
-        return ResponseParams(c.output_modalities, c.instructions, c.max_output_tokens, c.temperature)
+        return ResponseParams(c.output_modalities, c.instructions, c.max_output_tokens, c.temperature, tools=c.tools)
 
     async def _start_response(self, params: ResponseParams, start: float, claim: Claim | None = None) -> None:
         """`claim`: the response runs the final decode of the utterance that ended the turn as its graph's asr node
@@ -68,7 +69,8 @@ class ResponseControl:
         c = self.config
         audio = "audio" in params.output_modalities
         item = Item(new_id("item"), "assistant", "audio" if audio else "text", status="in_progress")
-        r = Response(new_id("resp"), self.epoch, params, item, c.voice, c.speed, c.output_format, Timings(start))
+        r = Response(new_id("resp"), self.epoch, params, item, c.voice, c.speed, c.output_format, Timings(start),
+                     holding=params.calls and not self.spec.omni)
         if claim is not None and params.input_items is None:
             r.claim = claim
         elif claim is not None:
@@ -108,10 +110,21 @@ class ResponseControl:
                 await asyncio.shield(item.transcript)
         messages: list[dict[str, Any]] = list(system)
         speech = None
+        calls_message: dict[str, Any] | None = None  # the assistant message the latest call items went into
         for item in items:
             if heard is not None and item.id == heard[0]:
                 speech = HeardSpeech(heard[1].request, len(messages), heard[1].earlier)
                 messages.append({"role": item.role, "content": ""})
+            elif item.kind == "function_call":  # consecutive calls: one assistant message with its tool_calls
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if messages[-1].get("tool_calls") is not None and messages[-1] is calls_message:
+                    messages[-1]["tool_calls"].append(call)
+                else:
+                    calls_message = {"role": "assistant", "content": "", "tool_calls": [call]}
+                    messages.append(calls_message)
+            elif item.kind == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
             elif item.audio is not None:  # an omni voice hears the user's audio itself
                 wav = b64encode(encode_audio(item.audio, HEARD_RATE, "wav"))
                 messages.append({"role": item.role, "content": [
@@ -134,6 +147,35 @@ class ResponseControl:
         part = {"type": "audio", "transcript": ""} if r.audio else {"type": "text", "text": ""}
         await self.emit({"type": "response.content_part.added", "response_id": r.id, "item_id": r.item.id,
                          "output_index": 0, "content_index": 0, "part": part}, guard=guard)
+
+    async def open_calls(self, r: Response, calls: list[dict[str, Any]], guard) -> None:
+        """The reply is function calls (OpenAI's chat shape): each becomes a function_call output item, with its
+        arguments in one delta (the reply was held whole), then done; no audio goes with it. The client runs the
+        function and sends a function_call_output item, then response.create."""
+        beta, auto = self.config.beta, r.params.conversation == "auto"
+        for call in calls:
+            index = len(r.calls) + (1 if r.item_opened else 0)
+            item = Item(new_id("item"), "assistant", "function_call", status="in_progress", call_id=call["id"],
+                        name=call["function"]["name"])
+            r.calls.append(item)
+            previous = self.conversation.add(item) if auto else None
+            await self.emit({"type": "response.output_item.added", "response_id": r.id, "output_index": index,
+                             "item": item.wire(beta)}, guard=guard)
+            if auto:
+                await self.emit({"type": "conversation.item.created" if beta else "conversation.item.added",
+                                 "previous_item_id": previous, "item": item.wire(beta)}, guard=guard)
+            item.arguments = call["function"]["arguments"]
+            ids = {"response_id": r.id, "item_id": item.id, "output_index": index, "call_id": item.call_id}
+            await self.emit({"type": "response.function_call_arguments.delta", **ids, "delta": item.arguments},
+                            guard=guard)
+            await self.emit({"type": "response.function_call_arguments.done", **ids, "name": item.name,
+                             "arguments": item.arguments}, guard=guard)
+            item.status = "completed"
+            await self.emit({"type": "response.output_item.done", "response_id": r.id, "output_index": index,
+                             "item": item.wire(beta)}, guard=guard)
+            if auto and not beta:
+                await self.emit({"type": "conversation.item.done", "previous_item_id": previous,
+                                 "item": item.wire(beta)}, guard=guard)
 
     async def complete_response(self, r: Response, status: str, reason: str | None, error: dict | None) -> None:
         """The runner finished (completed, incomplete or failed): the done events, metrics and rate limits."""
@@ -200,6 +242,7 @@ class ResponseControl:
 
     async def _done_events(self, r: Response, status: str, reason: str | None, error: dict | None) -> None:
         output = [r.item.wire(self.config.beta)] if r.item_opened else []
+        output += [call.wire(self.config.beta) for call in r.calls]
         await self.emit({"type": "response.done", "response": self._response_body(r, status, reason, error, output)})
         report = r.timings.report()
         if status != "cancelled" or r.timings.interrupt is None:
