@@ -1,6 +1,8 @@
-"""Benchmark: mmserve vs the diffusers pipeline, side by side in one run, on one SD-family checkpoint.
+"""Benchmark: mmserve vs the diffusers pipeline, side by side in one run, on one SD-family checkpoint or on the
+tiny demo checkpoint of each family named.
 
     python examples/bench_images.py [--checkpoint DIR] [--size 128 256] [--steps 8] [--concurrency 8] [--repeats 3]
+    python examples/bench_images.py --families flux_kontext flux2 qwen_image sana z_image --size 64 --concurrency 4
 
 For each --size:
 1. Single-request latency: mmserve's Python API vs `StableDiffusionPipeline.__call__` (same checkpoint,
@@ -13,6 +15,10 @@ Without --checkpoint it builds a checkpoint of its own, one this project has no 
 seeded, random-weight SD 1.x-shaped model (narrower than SD 1.5: UNet 64-256 channels in SD's four
 stages, a 6-layer CLIP text encoder, a four-stage VAE, SD 1.5's PNDM scheduler). Ratios, not absolute
 times, are the result: the machine is shared, so read the load average printed beside each run.
+
+With --families, each family's demo checkpoint (pipelines/demo, random weights, built once under
+~/.cache/mmserve/bench/) gets the throughput comparison only (the server vs its own diffusers pipeline class, loaded
+with DiffusionPipeline.from_pretrained), both sides at the pipeline's default guidance (the request names none).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 GUIDANCE = 7.5  # CFG on, on both sides: every UNet forward has an unconditional and a conditional row
+# --families: image families with a tiny demo checkpoint (pipelines/demo) of the same name
+FAMILIES = ("sd", "sdxl", "sd3", "flux", "flux_kontext", "flux2", "qwen_image", "sana", "z_image")
 
 
 def _free_port() -> int:
@@ -228,12 +236,14 @@ def latency(checkpoint: str, ref, size: int, args) -> tuple[float, float]:
 # 3. Throughput: concurrent requests through the server vs a loop over the pipeline
 
 
-async def _burst(base: str, model: str, size: int, n: int, args, prefix: str = "prompt") -> float:
+async def _burst(base: str, model: str, size: int, n: int, args, prefix: str = "prompt",
+                 knobs: dict | None = None) -> float:
+    """n requests at once; `knobs`: the generation fields both sides set (guidance, family knobs)."""
     import httpx
 
+    knobs = {"guidance_scale": GUIDANCE} if knobs is None else knobs
     body = lambda i: {"model": model, "prompt": f"{prefix} {i}", "size": f"{size}x{size}",  # noqa: E731
-                      "num_inference_steps": args.steps, "guidance_scale": GUIDANCE, "seed": i,
-                      "response_format": "b64_json"}
+                      "num_inference_steps": args.steps, "seed": i, "response_format": "b64_json", **knobs}
     async def send(i: int):
         await asyncio.sleep(i * getattr(args, "stagger_ms", 0) / 1000)
         return await client.post(f"{base}/v1/images/generations", json=body(i))
@@ -295,38 +305,67 @@ def measured(fn, ours: list[int], args):
     return seconds, others.ours_s, others.cores
 
 
-def throughput(base: str, server_pid: int, ref, size: int, args) -> list[float]:
-    """Every run's ratio (diffusers' sequential time / mmserve's concurrent time), each printed as it ends."""
+def throughput(base: str, server_pid: int, ref, size: int, args, knobs: dict | None = None,
+               label: str = "") -> list[float]:
+    """Every run's ratio (diffusers' sequential time / mmserve's concurrent time), each printed as it ends.
+    knobs: what both sides set besides prompt, size, steps and seed (None: CFG at GUIDANCE)."""
     import httpx
     import torch
 
     n, ours_pids = args.concurrency, [os.getpid(), server_pid]
+    knobs = {"guidance_scale": GUIDANCE} if knobs is None else knobs
     # New prompts every run (the same on both sides): the server's prompt cache saves nothing across runs.
     ours_runs, ref_runs = itertools.count(), itertools.count()
 
     def ours_once():
         prefix = f"prompt {size} {next(ours_runs)}"
-        return measured(lambda: asyncio.run(_burst(base, "bench", size, n, args, prefix)), ours_pids, args)
+        return measured(lambda: asyncio.run(_burst(base, "bench", size, n, args, prefix, knobs)), ours_pids, args)
 
     def ref_once():
         prefix = f"prompt {size} {next(ref_runs)}"
 
         def loop():
             for i in range(n):
-                ref(f"{prefix} {i}", num_inference_steps=args.steps, height=size, width=size, guidance_scale=GUIDANCE,
-                    generator=torch.Generator("cpu").manual_seed(i))
+                ref(prompt=f"{prefix} {i}", num_inference_steps=args.steps, height=size, width=size,
+                    generator=torch.Generator("cpu").manual_seed(i), **knobs)
         return measured(loop, ours_pids, args)
 
-    asyncio.run(_burst(base, "bench", size, 1, args, "warm"))  # warm both sides at this size
-    ref("warm", num_inference_steps=1, height=size, width=size)
+    asyncio.run(_burst(base, "bench", size, 1, args, "warm", knobs))  # warm both sides at this size
+    ref(prompt="warm", num_inference_steps=1, height=size, width=size, **knobs)
     before = httpx.get(f"{base}/metrics").text
     ratios, ours, theirs = compare_runs(args.repeats, ours_once, ref_once)
     sizes = _batch_sizes(httpx.get(f"{base}/metrics").text, "bench/denoise", since=before)
-    print(f"throughput {size}x{size}: mmserve {n / ours:6.2f} img/s (server, {n} concurrent)   diffusers "
+    print(f"throughput {label}{size}x{size}: mmserve {n / ours:6.2f} img/s (server, {n} concurrent)   diffusers "
           f"{n / theirs:6.2f} img/s ({n} sequential)   ratio {statistics.median(ratios):.2f}x median of "
           f"{' '.join(f'{r:.2f}' for r in ratios)} (target >= 1.0 in every run)")
     print(f"denoise batch sizes reached: {sizes}")
     return ratios
+
+
+def family_knobs(family: str, size: int) -> dict:
+    """What both sides set for a family's demo: no guidance (each takes its pipeline's default); FLUX.1 Kontext's
+    max_area at the size asked (its default resizes every generation to 1024 x 1024)."""
+    return {"max_area": size * size} if family == "flux_kontext" else {}
+
+
+def bench_families(families: list[str], args) -> None:
+    """The throughput comparison on each family's tiny demo checkpoint, one server per family."""
+    from diffusers import DiffusionPipeline
+
+    from pipelines.demo import build_demo_model
+
+    for family in families:
+        checkpoint = str(build_demo_model(family, Path.home() / f".cache/mmserve/bench/{family}-tiny"))
+        ref = DiffusionPipeline.from_pretrained(checkpoint)
+        ref.set_progress_bar_config(disable=True)
+        print(f"{family}: {type(ref).__name__}, checkpoint {checkpoint}, load {loadavg()}", flush=True)
+        proc, base = start_server(checkpoint, args)
+        try:
+            for size in args.size:
+                throughput(base, proc.pid, ref, size, args, knobs=family_knobs(family, size), label=f"{family} ")
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
 
 def main() -> None:
@@ -340,10 +379,21 @@ def main() -> None:
                         help="send request i at i * this many ms (0: all at once); the diffusers loop still runs "
                              "back to back, so keep it under one image's time")
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, metavar="FAMILY",
+                        help=f"instead of the SD checkpoint: each family's tiny demo checkpoint, throughput only "
+                             f"(any of {', '.join(FAMILIES)})")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each timed side, wait up to this long for a second in which other processes "
                              "use under 0.3 cores (the machine is shared); 0: do not wait")
     args = parser.parse_args()
+    if args.families:
+        if args.checkpoint:
+            parser.error("--families benchmarks the demo checkpoints; leave out --checkpoint")
+        print(f"families {args.families}, sizes {args.size}, {args.steps} steps, {args.concurrency} concurrent, "
+              f"{os.cpu_count()} CPUs, load {loadavg()}", flush=True)
+        bench_families(args.families, args)
+        print(f"load at the end {loadavg()}")
+        return
 
     checkpoint = args.checkpoint or str(build_checkpoint(Path.home() / ".cache/mmserve/bench/sd-unknown"))
     print(f"checkpoint {checkpoint}, sizes {args.size}, {args.steps} steps, CFG {GUIDANCE}, {os.cpu_count()} CPUs, "

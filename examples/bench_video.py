@@ -1,17 +1,22 @@
-"""Benchmark: mmserve's video path vs diffusers' WanPipeline, side by side in one run, on one Wan checkpoint.
+"""Benchmark: mmserve's video path vs the diffusers pipeline, side by side in one run, on a Wan checkpoint or on the
+tiny demo checkpoint of each video family named.
 
     python examples/bench_video.py [--checkpoint DIR] [--size 64] [--frames 17] [--steps 8] [--requests 4]
+    python examples/bench_video.py --families cogvideox hunyuan_video ltx2 [--repeats 1]
 
 1. Throughput: --requests text-to-video jobs created at once on a real mmserve server on loopback
-   (POST /v1/videos, then GET /v1/videos polled every 0.05 s until all completed) vs `WanPipeline.__call__`
-   called that many times in sequence (same checkpoint, seeds and parameters). --repeats runs, the sides
-   alternating which goes first; every run is printed with the load average and the cores other processes
+   (POST /v1/videos, then GET /v1/videos polled every 0.05 s until all completed) vs the checkpoint's own
+   diffusers pipeline (`WanPipeline`, `LTX2Pipeline`, ...) `__call__` called that many times in sequence (same
+   checkpoint, seeds and parameters; guidance and frame rate the pipeline's defaults on both sides). --repeats runs,
+   the sides alternating which goes first; every run is printed with the load average and the cores other processes
    used meanwhile, then the medians. Prints the denoise batch sizes reached (from /metrics).
 2. Peak memory of the temporal VAE decode: the checkpoint's `vae.decode` on random latents of
    --vae-size x --vae-size px and --vae-frames frames, with `vae.enable_tiling()` vs without; each
    variant runs in its own subprocess and reports its peak RSS growth (VmHWM minus VmRSS before).
 
-Without --checkpoint it builds the demo Wan model (random weights) under ~/.cache/mmserve/bench/.
+Without --checkpoint it builds the demo model of each --families entry (default wan; random weights) under
+~/.cache/mmserve/bench/; step 2 runs for Wan only (its VAE). A family's --size and --frames must fit its factors
+(LTX-2: sizes of 32k px, 8k + 1 frames; the defaults 64 px and 17 frames fit every family).
 Ratios, not absolute times, are the result: the machine is shared.
 """
 
@@ -35,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_images import _batch_sizes, _free_port, _wait_ready, compare_runs, loadavg, measured  # noqa: E402
 
+FAMILIES = ("wan", "ltx", "cogvideox", "hunyuan_video", "ltx2")  # text-to-video demo checkpoints (pipelines/demo)
 # How often the client asks after its jobs: one GET /v1/videos for all of them (each request costs the server CPU
 # the jobs would use, and a job's completion is seen up to this late).
 POLL_S = 0.05
@@ -64,11 +70,11 @@ async def _jobs(base: str, model: str, args, n: int, prefix: str = "prompt") -> 
         return time.perf_counter() - t
 
 
-def throughput(checkpoint: str, args) -> list[float]:
+def throughput(checkpoint: str, args, label: str = "") -> list[float]:
     """Every run's ratio (diffusers' sequential time / mmserve's concurrent time), each printed as it ends."""
     import httpx
     import torch
-    from diffusers import WanPipeline
+    from diffusers import DiffusionPipeline
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -82,7 +88,7 @@ def throughput(checkpoint: str, args) -> list[float]:
     proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--config", str(config)],
                             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    ref = WanPipeline.from_pretrained(checkpoint)
+    ref = DiffusionPipeline.from_pretrained(checkpoint)  # the checkpoint's own class (model_index.json)
     ref.set_progress_bar_config(disable=True)
     params = dict(height=args.size, width=args.size, num_frames=args.frames, num_inference_steps=args.steps,
                   output_type="np")
@@ -112,8 +118,8 @@ def throughput(checkpoint: str, args) -> list[float]:
     finally:
         proc.terminate()
         proc.wait(30)
-    print(f"throughput mmserve {ours:7.2f} s for {n} videos (server, {n} concurrent jobs)   diffusers {theirs:7.2f} s "
-          f"({n} sequential)   ratio {statistics.median(ratios):.2f}x median of "
+    print(f"throughput {label}mmserve {ours:7.2f} s for {n} videos (server, {n} concurrent jobs)   "
+          f"diffusers {theirs:7.2f} s ({n} sequential)   ratio {statistics.median(ratios):.2f}x median of "
           f"{' '.join(f'{r:.2f}' for r in ratios)} (target >= 1.0 in every run)")
     print(f"denoise batch sizes reached: {sizes}")
     return ratios
@@ -160,7 +166,9 @@ def vae_memory(checkpoint: str, args) -> dict[bool, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint")
+    parser.add_argument("--checkpoint", help="a Wan checkpoint directory; default: the demo model of each family")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=["wan"], metavar="FAMILY",
+                        help=f"video families whose tiny demo checkpoints to benchmark (any of {', '.join(FAMILIES)})")
     parser.add_argument("--size", type=int, default=64, help="frame width and height, px")
     parser.add_argument("--frames", type=int, default=17)
     parser.add_argument("--steps", type=int, default=8)
@@ -178,10 +186,18 @@ def main() -> None:
 
     from pipelines.demo import build_demo_model
 
+    if args.checkpoint and args.families != ["wan"]:
+        parser.error("--checkpoint is a Wan checkpoint; leave out --families, or --checkpoint for the demo models")
+    for family in args.families:
+        checkpoint = args.checkpoint or str(build_demo_model(family, Path.home() / f".cache/mmserve/bench/"
+                                                                              f"{family}-tiny"))
+        print(f"{family}: checkpoint {checkpoint}, {args.size}x{args.size} px, {args.frames} frames, {args.steps} "
+              f"steps, {os.cpu_count()} CPUs, load {loadavg()}", flush=True)
+        throughput(checkpoint, args, label=f"{family} ")
+    if "wan" not in args.families:
+        print(f"load at the end {loadavg()}")
+        return
     checkpoint = args.checkpoint or str(build_demo_model("wan", Path.home() / ".cache/mmserve/bench/wan-tiny"))
-    print(f"checkpoint {checkpoint}, {args.size}x{args.size} px, {args.frames} frames, {args.steps} steps, "
-          f"{os.cpu_count()} CPUs, load {loadavg()}", flush=True)
-    throughput(checkpoint, args)
     mem = vae_memory(checkpoint, args)
     untiled, tiled = mem[False], mem[True]
     print(f"vae decode {args.vae_size}x{args.vae_size} px x {args.vae_frames} frames: peak RSS growth untiled "

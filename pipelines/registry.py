@@ -18,6 +18,7 @@ FAMILIES = {
     "ltx": "pipelines.families.ltx:LTXFamily",
     "cogvideox": "pipelines.families.cogvideox:CogVideoXFamily",
     "hunyuan_video": "pipelines.families.hunyuan_video:HunyuanVideoFamily",
+    "ltx2": "pipelines.families.ltx2:LTX2Family",
     "qwen_image": "pipelines.families.qwen_image:QwenImageFamily",
     "sana": "pipelines.families.sana:SanaFamily",
     "z_image": "pipelines.families.z_image:ZImageFamily",
@@ -68,6 +69,7 @@ CLASS_NAMES = {
     "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
     "CogVideoXPipeline": "cogvideox", "CogVideoXImageToVideoPipeline": "cogvideox",
     "HunyuanVideoPipeline": "hunyuan_video",
+    "LTX2Pipeline": "ltx2",
 }
 
 

@@ -149,7 +149,8 @@ ASR_DEMO_FAMILIES = ("whisper", "whisper-tiny-en")
 DEMO_FAMILIES += ASR_DEMO_FAMILIES
 # Video (pipelines/demo/video.py): "wan-demo" (text-to-video), "wan-i2v-demo" (image-to-video), "ltx-demo" (both).
 VIDEO_DEMO_FAMILIES = {"wan": "wan", "wan-i2v": "wan", "ltx": "ltx", "cogvideox": "cogvideox",
-                       "cogvideox-i2v": "cogvideox", "hunyuan_video": "hunyuan_video"}  # demo family -> engine family
+                       "cogvideox-i2v": "cogvideox", "hunyuan_video": "hunyuan_video",
+                       "ltx2": "ltx2"}  # demo family -> engine family
 DEMO_FAMILIES += tuple(VIDEO_DEMO_FAMILIES)
 DEMO_VIDEO = VideoConfig(default_size=(64, 64), default_frames=17)  # not the pipelines' 832x480x81: CPU-sized
 DEMO_ASR = AsrConfig(max_new_tokens=32)  # random weights never end a window: cap what they ramble

@@ -279,8 +279,9 @@ class JobRunner:
         first error, the MP4's before the thumbnail's."""
         frames = outputs["frames"]
 
-        def mp4() -> bytes:
-            return self.engine.media().run("encode_video", frames, outputs["fps"], "mp4")
+        def mp4() -> bytes:  # with the model's soundtrack, when it makes one (LTX-2)
+            sound = {"audio": outputs["audio"], "sample_rate": outputs["sample_rate"]} if "audio" in outputs else {}
+            return self.engine.media().run("encode_video", frames, outputs["fps"], "mp4", **sound)
 
         def thumbnail() -> bytes:
             return self.engine.encode_images([_first_frame(frames)], "jpeg")[0]

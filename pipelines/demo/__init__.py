@@ -47,6 +47,7 @@ from pipelines.demo.embedding import build_clip_model
 from pipelines.demo.flux2 import build_flux2
 from pipelines.demo.hunyuan_video import build_hunyuan_video
 from pipelines.demo.llm import build_chat_model
+from pipelines.demo.ltx2 import build_ltx2
 from pipelines.demo.omni import build_qwen2_5_omni
 from pipelines.demo.omni3 import build_qwen3_omni
 from pipelines.demo.qwen_image import build_qwen_image, build_qwen_image_edit, build_qwen_image_edit_plus
@@ -67,11 +68,11 @@ SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": 
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
           "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",), "cogvideox": ("tiny",),
           "cogvideox-i2v": ("tiny",),
-          "hunyuan_video": ("tiny",),
+          "hunyuan_video": ("tiny",), "ltx2": ("tiny",),
           "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",), "qwen2_audio": ("tiny",), "qwen2_5_omni": ("tiny",),
           "qwen3_omni": ("tiny",)}
 # text/image-to-video (demo/*.py)
-VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx", "cogvideox", "cogvideox-i2v", "hunyuan_video")
+VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx", "cogvideox", "cogvideox-i2v", "hunyuan_video", "ltx2")
 VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo/vlm.py); qwen2_vl on request
 AUDIO_CHAT_FAMILIES = ("qwen2_audio", "qwen2_5_omni", "qwen3_omni")  # audio-language chat (demo/audio_chat.py, omni*)
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
@@ -350,6 +351,7 @@ _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _b
              "cogvideox": build_cogvideox,  # pipelines/demo/cogvideox.py: CogVideoXPipeline
              "cogvideox-i2v": lambda seed, scale: build_cogvideox(seed, scale, image_to_video=True),
              "hunyuan_video": build_hunyuan_video,  # pipelines/demo/hunyuan_video.py: HunyuanVideoPipeline
+             "ltx2": build_ltx2,  # pipelines/demo/ltx2.py: LTX2Pipeline (audio and video)
              # audio-language chat (pipelines/demo/audio_chat.py): Qwen2-Audio, a 10 s encoder window
              "qwen2_audio": lambda seed, scale: build_qwen2_audio(seed),
              # Qwen2.5-Omni (pipelines/demo/omni.py): thinker, talker, token2wav and its speakers

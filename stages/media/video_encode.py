@@ -20,6 +20,7 @@ import av
 import numpy as np
 from PIL import Image
 
+from stages.media.audio_encode import _AV_ENCODERS, _as_float32
 from stages.media.image import MediaError
 
 VIDEO_ENCODE_FORMATS = ("mp4", "webm", "gif")
@@ -30,8 +31,10 @@ _THREADS = 1  # one encoder thread: parallelism comes from the worker count, and
 _FRAGMENT_FLAGS = "frag_keyframe+empty_moov+default_base_moof"
 
 
-def encode_video(frames: np.ndarray, fps: float, fmt: str = "mp4", *, crf: int | None = None) -> bytes:
-    """Encode uint8 [T, H, W, 3] RGB frames as mp4 (H.264), webm (VP9) or gif.
+def encode_video(frames: np.ndarray, fps: float, fmt: str = "mp4", *, crf: int | None = None,
+                 audio: np.ndarray | None = None, sample_rate: int | None = None) -> bytes:
+    """Encode uint8 [T, H, W, 3] RGB frames as mp4 (H.264), webm (VP9) or gif; with `audio` (float samples [N] or
+    [N, C] in [-1, 1] at `sample_rate`), mp4 and webm also carry it as a second stream (AAC, Opus).
 
     H.264 in 4:2:0 needs even sizes: an odd width or height is padded by repeating the last
     column or row, so an mp4 decodes one pixel larger there. GIF stores delays in hundredths of
@@ -47,21 +50,54 @@ def encode_video(frames: np.ndarray, fps: float, fmt: str = "mp4", *, crf: int |
     if fmt == "gif":
         if crf is not None:
             raise ValueError("crf does not apply to gif (a palette format); leave it None")
+        if audio is not None:
+            raise ValueError("gif carries no audio; encode mp4 or webm, or leave audio None")
         return _encode_gif(frames, fps)
     default, highest = _CRF[fmt]
     if crf is not None and not 0 <= crf <= highest:
         raise ValueError(f"crf for {fmt} must be in 0..{highest}, got {crf}")
     crf = default if crf is None else crf
+    if audio is not None and not (sample_rate and sample_rate > 0):
+        raise ValueError(f"audio needs its sample_rate (> 0), got {sample_rate}")
     if fmt == "mp4":
         frames = _pad_even(frames)
     out = io.BytesIO()
     # No "+faststart": it rewrites the file through a second open, which an in-memory buffer cannot serve.
     with av.open(out, "w", format=fmt) as container:
         stream = _add_stream(container, fmt, frames.shape[2], frames.shape[1], fps, crf)
+        sound = None if audio is None else _AudioTrack(container, fmt, audio, int(sample_rate or 0))
         for i, pixels in enumerate(frames):
             container.mux(stream.encode(_frame(pixels, i)))
         container.mux(stream.encode(None))  # drain the encoder's delayed frames
+        if sound is not None:
+            sound.write()
     return out.getvalue()
+
+
+class _AudioTrack:
+    """A soundtrack muxed beside the video: AAC in mp4, Opus (48 kHz) in webm; the encoder converts the float
+    samples' format, rate and frame size itself (PyAV's encode-side resampler)."""
+
+    def __init__(self, container, fmt: str, samples: np.ndarray, sample_rate: int):
+        channels = 1 if np.ndim(samples) == 1 else int(np.shape(samples)[1])
+        self.pcm = _as_float32(samples, channels)  # [N, C]
+        self.rate = sample_rate
+        self.layout = av.AudioLayout(f"{channels}c").name
+        name, codec, rate = ("aac", "aac", sample_rate) if fmt == "mp4" else ("opus", "libopus", 48_000)
+        self.stream = container.add_stream(codec, rate=rate, layout=self.layout)
+        # /v1/audio/speech's bit rates per channel (FFmpeg's AAC default, ~45 kbit/s here, smears a loud track)
+        per_channel = _AV_ENCODERS[name][2]
+        assert per_channel is not None  # aac and opus are lossy: they have a bit rate
+        self.stream.codec_context.bit_rate = per_channel * channels
+        self.container = container
+
+    def write(self) -> None:
+        frame = av.AudioFrame.from_ndarray(self.pcm.reshape(1, -1), format="flt", layout=self.layout)
+        frame.sample_rate = self.rate
+        frame.time_base = Fraction(1, self.rate)
+        frame.pts = 0
+        self.container.mux(self.stream.encode(frame))
+        self.container.mux(self.stream.encode(None))
 
 
 class FragmentedMP4Writer:
