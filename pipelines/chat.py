@@ -50,6 +50,7 @@ class LLMConfig:
     max_num_seqs: int = 64  # sequences in one forward
     max_num_batched_tokens: int = 2048  # tokens in one forward (chunked prefill + decodes)
     max_prefill_chunk: int | None = None  # cap on one sequence's prefill chunk
+    publish_thread: bool | None = None  # deltas published by a thread beside the forward; None: on a GPU only
 
     def __post_init__(self):
         if self.kv_cache_mb <= 0 or self.block_size < 1:
@@ -146,7 +147,8 @@ class LanguageModel:
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
-        return LLMStage(self.name, self.runner, self.tokenizer, scheduler, metrics, tuple(set(eos)))
+        return LLMStage(self.name, self.runner, self.tokenizer, scheduler, metrics, tuple(set(eos)),
+                        publish_thread=config.publish_thread)
 
     def check_params(self, request: ChatRequest) -> None:
         """The sampling parameters against this model (token ids and top_k within its vocabulary; a

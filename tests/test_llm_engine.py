@@ -85,6 +85,26 @@ def test_greedy_batched_with_prefix_hits_and_chunks_equals_generate(engine, refe
     assert again["choices"][0]["token_ids"] == _generate(reference, prompts[5], 32)
 
 
+def test_a_publisher_thread_streams_the_same_deltas(checkpoint, reference):
+    """publish_thread (on by default on a GPU): detokenizing and emitting in a thread beside the forward gives the
+    same streamed text, in order, and the same outputs, greedy and with a stop string."""
+    eng = _engine(checkpoint, kv_cache_mb=8, block_size=4, publish_thread=True)
+    try:
+        prompts = [_prompt(reference[1], i) for i in range(4)]
+        handles = [_run(eng, p, max_tokens=24, **GREEDY) for p in prompts]
+        stopped = _run(eng, prompts[0], max_tokens=24, stop=["item"], **GREEDY)
+        for p, handle in zip(prompts, handles):
+            events = list(handle.events(timeout=120))
+            final = events[-1].data["outputs"]["choices"][0]
+            assert final["token_ids"] == _generate(reference, p, 24)
+            assert "".join(e.data["text"] for e in events if e.kind.value == "delta") == final["text"]
+        text = stopped.result(timeout=120)["choices"][0]["text"]
+        whole = reference[1].decode(_generate(reference, prompts[0], 24), skip_special_tokens=True)
+        assert "item" not in text and whole.startswith(text)
+    finally:
+        eng.shutdown()
+
+
 def test_preemption_by_recompute_keeps_outputs_exact(checkpoint, reference):
     model, tok = reference
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"request {k} " * 3}], add_generation_prompt=True,

@@ -129,6 +129,7 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._bitmask: torch.Tensor | None = None  # `bitmask`'s buffer
         self.compile_seconds: list[float] = []  # the cold compiles' times (examples/bench_structured.py)
         # xgrammar's JSON strings with a maxLength take any character but quote, backslash, CR and LF, so a byte
         # token of another control character (byte-level vocabularies have one per byte) would make JSON that
@@ -161,6 +162,14 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """A token bitmask of at least `rows` rows, reused from step to step (one step at a time uses it)."""
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(rows, 16), self.vocab_size)
+        return self._bitmask
+
     def matcher(self, grammar: Grammar):
         """A fresh matcher of the grammar, for one sequence."""
         import xgrammar as xgr
@@ -174,21 +183,17 @@ class Constraint:
     those rows of logits [rows, V] in place to the tokens each may take next."""
 
     def __init__(self, grammars: Grammars, rows: list[int], matchers: list, json: list[bool]):
-        import xgrammar as xgr
-
-        self.grammars, self.rows, self.matchers, self.json = grammars, rows, matchers, json
-        self.bitmask = xgr.allocate_token_bitmask(len(rows), grammars.vocab_size)
-        for i, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(self.bitmask, i)
+        self.grammars, self.rows, self.json = grammars, rows, json
+        self.bitmask = grammars.bitmask(max(rows) + 1)  # row r of the step's rows: its mask at row r
+        for row, matcher in zip(rows, matchers):
+            matcher.fill_next_token_bitmask(self.bitmask, row)
 
     def apply(self, logits: torch.Tensor) -> None:
         import xgrammar as xgr
 
-        picked = logits[self.rows]
-        xgr.apply_token_bitmask_inplace(picked, self.bitmask.to(logits.device))
+        xgr.apply_token_bitmask_inplace(logits, self.bitmask.to(logits.device), indices=self.rows)
         control = self.grammars.control_tokens.to(logits.device)
-        if len(control):
-            json_rows = torch.tensor([i for i, is_json in enumerate(self.json) if is_json], dtype=torch.long,
-                                     device=logits.device)
-            picked[json_rows[:, None], control[None, :]] = -torch.inf
-        logits[self.rows] = picked
+        json_rows = [row for row, is_json in zip(self.rows, self.json) if is_json]
+        if len(control) and json_rows:
+            rows = torch.tensor(json_rows, dtype=torch.long, device=logits.device)
+            logits[rows[:, None], control[None, :]] = -torch.inf

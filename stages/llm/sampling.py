@@ -253,9 +253,14 @@ def sample(
     if not len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch:
         raise ValueError(f"params, prompt_ids, output_ids and generators must each have {batch} rows")
     raw = logits.float()  # [B, V]
-    if constraint is None and all(_plain_greedy(p) for p in params) and bool(torch.isfinite(raw).all()):
-        # the common decode step: every row greedy with nothing to apply, no bad logit: one argmax (4.)
-        return SampleOutput(raw.argmax(-1).tolist(), [None] * batch, [None] * batch, {})
+    if all(_plain_greedy(p) for p in params) and bool(torch.isfinite(raw).all()):
+        # the common decode step: every row greedy with nothing to apply but its grammar, no bad logit: one argmax
+        # (4.) over the masked logits (a grammar always leaves a token: at the least its end)
+        z = raw
+        if constraint is not None:
+            z = raw.clone()
+            constraint.apply(z)
+        return SampleOutput(z.argmax(-1).tolist(), [None] * batch, [None] * batch, {})
     errors: dict[int, str] = {}
     for row in (torch.isnan(raw) | torch.isposinf(raw)).any(-1).nonzero()[:, 0].tolist():
         errors[row] = "the model produced NaN or +inf logits"
