@@ -37,7 +37,7 @@ class VLMConfig:
     # codes, 0.24 s each for Qwen2.5-Omni), each later chunk twice the one before up to the max, each with this many
     # blocks of context on either side. Fewer context blocks: earlier audio, further from the whole reply's
     # (docs/omni.md has the measured error of each).
-    speech_chunk_blocks: int = 2
+    speech_chunk_blocks: int = 1
     speech_max_chunk_blocks: int = 8
     speech_context_blocks: int = 3
     max_speech_codes: int = 4096  # a spoken reply's talker stops after this many codes (generate()'s default too)

@@ -19,7 +19,7 @@ from stages.llm.params import SamplingParams
 from tests.helpers import assert_cancel_after_first_audio_ends_everywhere, running_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
-MAX_CODES = 96  # 8 DiT blocks: chunks of 2, 4, then the 2 left
+MAX_CODES = 96  # 8 DiT blocks: chunks of 1, 2, 4, then the 1 left
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 
 
@@ -106,10 +106,10 @@ def test_streamed_audio_comes_in_chunks_while_the_talker_speaks(engine, referenc
             final = event.data["outputs"]
     assert final is not None and final["choices"][0]["token_ids"] == ids
     assert thinker == len(ids) == GREEDY.max_tokens and thinker_at_talker == 1  # the talker joined at the first token
-    assert codes == MAX_CODES and len(chunks) == 3  # chunks of 2, 4 and 2 blocks (96 codes: 8 blocks)
-    # token2wav's first window went to its pool when the talker had drawn the chunk (24 codes) and its right
+    assert codes == MAX_CODES and len(chunks) == 4  # chunks of 1, 2, 4 and 1 blocks (96 codes: 8 blocks)
+    # token2wav's first window went to its pool when the talker had drawn the chunk (12 codes) and its right
     # context (36), not at its end
-    assert codes_at_first_window == 60
+    assert codes_at_first_window == 48
     audio = torch.cat(chunks)
     assert final["sample_rate"] == SAMPLE_RATE and torch.equal(final["audio"], audio)
     assert audio.shape == want.shape == whole.shape
@@ -137,7 +137,7 @@ def test_streamed_replies_batch_their_chunks(engine, reference):
         torch.testing.assert_close(result["audio"], want, rtol=0, atol=1e-4)
     windows = batched() - before
     now = engine.metrics.registry.get_sample_value("mmserve_stage_batch_size_count", LABELS)
-    assert windows == 9 and now - calls < 9  # 9 windows in fewer calls
+    assert windows == 12 and now - calls < 12  # 12 windows in fewer calls
 
 
 def test_cancel_mid_stream_ends_the_request_everywhere(engine):
