@@ -40,7 +40,9 @@ from serve.routes import (
     videos,
 )
 from serve.tenants import Tenants
+from serve.tracing import LOG_FORMATS, RequestObserver
 from stages.redact import redact_loggers
+from stages.tracing import Tracing
 
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 2**20  # per uploaded image; the media decoder applies its own pixel limits
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20  # a JSON (non-multipart) request body; [server] max_body_bytes
@@ -51,16 +53,22 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, data_dir: str | Path | None = None,
                job_policy: JobPolicy | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                admin_key: str | None = None, tenants: Tenants | None = None,
-               drain_grace_s: float = DEFAULT_GRACE_S) -> FastAPI:
+               drain_grace_s: float = DEFAULT_GRACE_S, tracing: Tracing | None = None,
+               log_format: str = "text") -> FastAPI:
     """The HTTP app. `api_keys` maps key -> tenant; None or empty: no auth, every caller is tenant "default".
     `tenants` (serve/tenants.py) instead: the keys with each tenant's quotas, models and priority (serve/quota.py).
     `drain_grace_s`: how long a SIGTERM drain lets requests in flight finish (serve/drain.py).
     `max_body_bytes` caps JSON bodies; multipart bodies may hold the largest upload a route admits (an image
     edit's image and mask, a /v1/files upload) plus FORM_FIELDS_BYTES (serve/body_limit.py).
     `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists).
-    `admin_key` opens the admin routes (/v1/loras) to callers sending it; None: they answer 403."""
+    `admin_key` opens the admin routes (/v1/loras) to callers sending it; None: they answer 403.
+    `tracing` (stages/tracing.py): spans per request and per stage; None: off. `log_format` "json": one JSON log
+    line per request (serve/tracing.py); "text": none beyond uvicorn's access lines. Every response carries its
+    `x-request-id`, which a client may send (serve/tracing.py says which are accepted)."""
     if max_upload_bytes < 1:
         raise ValueError(f"max_upload_bytes must be >= 1, got {max_upload_bytes}")
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {log_format!r}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,5 +124,12 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     engine.metrics.part(VideoMetrics)
     engine.metrics.part(VoiceMetrics)
     app.add_middleware(DrainGate, drain=app.state.drain)  # a draining server's 503s spend no tenant's quota
+    # Inside RequestCounter (its 400s for a bad x-request-id are counted), outside everything else: the request's
+    # span and id cover the quota and drain answers too. The executor parents its node spans on the request span
+    # (the last app made over an engine decides; an engine without an executor, a test's stand-in, has no node spans).
+    executor = getattr(engine, "executor", None)
+    if executor is not None:
+        executor.tracing = tracing
+    app.add_middleware(RequestObserver, keys=tenants.keys, tracing=tracing, log_json=log_format == "json")
     app.add_middleware(RequestCounter, counter=engine.metrics.part(HttpMetrics).requests)
     return app

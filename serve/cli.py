@@ -146,14 +146,23 @@ def _serve(args) -> int:
     from serve.app import create_app
     from serve.drain import DrainingServer
     from serve.routes.loras import ADMIN_KEY_ENV
+    from serve.tracing import JsonFormatter
+    from stages.tracing import Tracing
 
+    if server_cfg.log_format == "json":  # every line a JSON object from here on (the root logger's handlers)
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
+    tracing = Tracing.from_mode(server_cfg.tracing)
     engine = Engine(config)
     app = create_app(engine, tenants=tenants, data_dir=args.data_dir or server_cfg.data_dir,
                      job_policy=loaded.jobs, max_body_bytes=server_cfg.max_body_bytes,
-                     admin_key=os.environ.get(ADMIN_KEY_ENV) or None, drain_grace_s=server_cfg.drain_grace_s)
+                     admin_key=os.environ.get(ADMIN_KEY_ENV) or None, drain_grace_s=server_cfg.drain_grace_s,
+                     tracing=tracing, log_format=server_cfg.log_format)
     # SIGTERM drains first (serve/drain.py); what uvicorn then waits for is only what the drain left.
+    # JSON logs: uvicorn's loggers go to the root's JSON handler, and the request lines replace its access lines.
+    json_logs = {"log_config": None, "access_log": False} if server_cfg.log_format == "json" else {}
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, ws="auto", log_level=args.log_level,
-                                           timeout_graceful_shutdown=5), app)
+                                           timeout_graceful_shutdown=5, **json_logs), app)
     failed = threading.Event()
 
     def load() -> None:  # in the background, so /health answers while weights load
@@ -172,6 +181,8 @@ def _serve(args) -> int:
         server.run()
     finally:
         engine.shutdown()
+        if tracing is not None:
+            tracing.shutdown()  # the spans still buffered go out
     return 1 if failed.is_set() else 0
 
 

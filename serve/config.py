@@ -12,6 +12,11 @@
     max_body_bytes = 16777216     # a JSON request body (413 request_too_large above); uploads: serve/body_limit.py
     drain_grace_s = 30            # on SIGTERM: /ready 503 and new requests 503 at once, requests in flight get this
                                   # long to finish, realtime sessions a `session.closing` (serve/drain.py)
+    tracing = "off"               # "otlp": OpenTelemetry spans per request and per stage, exported over OTLP as the
+                                  # standard OTEL_EXPORTER_OTLP_* environment says (endpoint, headers; protocol
+                                  # "grpc" or HTTP/protobuf); "memory": kept in process (tests); stages/tracing.py
+    log_format = "text"           # "json": every log line a JSON object, and one per HTTP request (request id,
+                                  # tenant, model, route, status, duration_ms, queue_ms, ttft_ms); serve/tracing.py
 
     [jobs]                        # optional: serve.job_runner.JobPolicy
     batch_line_concurrency = 2    # batch lines in flight across all batches (batches yield to interactive requests)
@@ -124,6 +129,7 @@ from stages.cuda_graphs import GraphConfig
 from stages.diffusion.compile import CompileConfig
 from stages.diffusion.step_cache import StepCacheConfig
 from stages.pool import PoolConfig
+from stages.tracing import TRACING_MODES
 
 log = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
@@ -169,6 +175,8 @@ class ServerConfig:
     data_dir: Path = DEFAULT_DATA_DIR  # the job store (serve/jobs.py): jobs, uploaded files, results
     max_body_bytes: int = 16 * 2**20  # a JSON (non-multipart) request body; larger ones answer 413
     drain_grace_s: float = 30.0  # how long a SIGTERM drain lets requests in flight finish (serve/drain.py)
+    tracing: str = "off"  # "off", "otlp" (OTEL_EXPORTER_OTLP_* environment) or "memory": stages/tracing.py
+    log_format: str = "text"  # "text" or "json" (a JSON line per log record and per HTTP request): serve/tracing.py
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -178,6 +186,10 @@ class ServerConfig:
         if isinstance(self.drain_grace_s, bool) or not isinstance(self.drain_grace_s, (int, float)) \
                 or not self.drain_grace_s > 0:
             raise ValueError(f"server.drain_grace_s must be a number of seconds > 0, got {self.drain_grace_s!r}")
+        if self.tracing not in TRACING_MODES:
+            raise ValueError(f"server.tracing must be one of {TRACING_MODES}, got {self.tracing!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"server.log_format must be \"text\" or \"json\", got {self.log_format!r}")
 
 
 @dataclass(frozen=True)
@@ -301,7 +313,8 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
 
 
 def _server(table: dict[str, Any], base: Path) -> ServerConfig:
-    _only(table, ("host", "port", "api_keys_file", "demo_dir", "data_dir", "max_body_bytes", "drain_grace_s"),
+    _only(table, ("host", "port", "api_keys_file", "demo_dir", "data_dir", "max_body_bytes", "drain_grace_s",
+                 "tracing", "log_format"),
           "[server]")
     values = dict(table)
     if "api_keys_file" in values:

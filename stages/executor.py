@@ -16,15 +16,18 @@ from stages.request_state import RequestHandle, RequestState
 from stages.stage import Stage, WorkItem
 from stages.streaming import StreamedNode
 from stages.thread_budget import ThreadBudget
+from stages.tracing import NodeTrace, RequestTag, Tracing, current_request
 
 
 class _Run:
     """The executor's view of one request: its graph and which nodes have started or finished."""
 
-    def __init__(self, state: RequestState, graph: StageGraph, inputs: dict[str, Any]):
+    def __init__(self, state: RequestState, graph: StageGraph, inputs: dict[str, Any], tracing: Tracing | None):
         self.state = state
         self.graph = graph
         self.inputs = inputs
+        self.tracing = tracing
+        self.trace_parent = tracing.parent() if tracing is not None else None  # the request span (submitter's)
         self.started: set[str] = set()
         self.done: set[str] = set()
         self.streams = {n.name: StreamedNode(state, n) for n in graph.nodes if n.stream is not None}
@@ -38,6 +41,8 @@ class GraphExecutor:
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
         self._started = False
+        # Spans per request and node (stages/tracing.py): set once before requests come; None: tracing off.
+        self.tracing: Tracing | None = None
 
     # -- set-up -------------------------------------------------------------------------
     def add_pool(self, name: str, stage: Stage | Sequence[Stage], config: PoolConfig | None = None, *,
@@ -83,12 +88,17 @@ class GraphExecutor:
             pool = self.pools[node.pool]
             if not pool.has_room():
                 raise CapacityError(f"stage {node.pool} has {pool.config.max_queue} requests waiting; retry shortly")
-        rid = request_id or f"req_{uuid.uuid4().hex[:24]}"
+        tag = current_request.get()  # the HTTP request submitting it, if any (serve/tracing.py)
+        rid = request_id or self._client_id(tag) or f"req_{uuid.uuid4().hex[:24]}"
         deadline = time.monotonic() + deadline_s if deadline_s else None
         state = RequestState(rid, deadline=deadline, model=model, fence=fence)
-        run = _Run(state, graph, inputs)
+        run = _Run(state, graph, inputs, self.tracing)
         if run.streams:
             state.observe(lambda event: self._on_event(run, event))
+        if tag is not None:
+            tag.model, tag.engine_request_id, tag.submitted_at = model, rid, time.monotonic()
+            if tag.timed:
+                state.observe(tag.note)
         with self._lock:
             if rid in self._runs:
                 raise ValueError(f"request id {rid!r} is already in flight")
@@ -99,6 +109,14 @@ class GraphExecutor:
         state.emit(EventKind.QUEUED)
         self._dispatch(run)
         return RequestHandle(state, self)
+
+    def _client_id(self, tag: RequestTag | None) -> str | None:
+        """The client's x-request-id as the engine request id, unless a request with that id is in flight (then the
+        engine names it; the client's id still names the HTTP request's span and log line)."""
+        if tag is None or not tag.client_sent:
+            return None
+        with self._lock:
+            return None if tag.request_id in self._runs else tag.request_id
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request: workers drop its items at their next boundary; one terminal event."""
@@ -142,7 +160,7 @@ class GraphExecutor:
                 if run.state.should_stop():
                     return
             self._count_node(run, node.name, node.pool)
-            self.pools[node.pool].put(WorkItem(run.state, node.name, inputs))
+            self.pools[node.pool].put(WorkItem(run.state, node.name, inputs, trace=self._node_trace(run)))
 
     def _on_event(self, run: _Run, event) -> None:
         """A source's delta: the pieces it completes go to their streamed nodes' pools at once."""
@@ -170,7 +188,12 @@ class GraphExecutor:
         for i in pieces:
             inputs = {**run.inputs, **stream.node.params, **stream.pieces[i]}
             route = lambda kind, data, i=i: stream.emit(i, kind, data)  # noqa: E731
-            pool.put(WorkItem(run.state, name, inputs, piece=i, route=route))
+            pool.put(WorkItem(run.state, name, inputs, piece=i, route=route, trace=self._node_trace(run)))
+
+    @staticmethod
+    def _node_trace(run: _Run) -> NodeTrace | None:
+        """A traced request's work item gets its span in the making; None when tracing is off."""
+        return None if run.tracing is None or run.trace_parent is None else run.tracing.node_trace(run.trace_parent)
 
     def _count_node(self, run: _Run, node: str, pool: str) -> None:
         self.metrics.stage.graph_nodes.labels(model=run.state.model, node=node, stage=pool).inc()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import itertools
 import logging
 import threading
 import time
@@ -136,6 +137,7 @@ class StagePool:
         self._active: dict[int, int] = {}  # worker index -> items in hand
         self._stopping = False
         self._threads: list[threading.Thread] = []
+        self._calls = itertools.count()  # stage calls, numbered for traced items' batch ids (stages/tracing.py)
         labels = dict(stage=name, model=self.stage.model)
         self._m_queue_age = metrics.stage.queue_age.labels(**labels)
         self._m_run = metrics.stage.run_time.labels(**labels)
@@ -286,13 +288,17 @@ class StagePool:
             now = time.monotonic()
             for item in batch:
                 self._m_queue_age.observe(now - item.enqueued_at)
+                if item.trace is not None:
+                    item.trace.queue_wait_s = now - item.enqueued_at
                 item.emit(EventKind.STAGE_STARTED)
             self._m_active.inc(len(batch))
             try:
                 with self._compute(worker):
                     started = time.perf_counter()
                     outputs = stage.run_batch(batch)
-                    self._observe_run(worker, time.perf_counter() - started, len(batch))
+                    elapsed = time.perf_counter() - started
+                    self._observe_run(worker, elapsed, len(batch))
+                    self._trace_call(batch, elapsed)
                 for item, out in zip(batch, outputs, strict=True):
                     self._finish(item, out)
             except Exception as exc:  # one bad batch fails its items, not the worker
@@ -345,7 +351,9 @@ class StagePool:
                 with self._compute(worker):
                     started = time.perf_counter()
                     stage.step(batch)
-                    self._observe_run(worker, time.perf_counter() - started, len(batch))
+                    elapsed = time.perf_counter() - started
+                    self._observe_run(worker, elapsed, len(batch))
+                    self._trace_call(batch, elapsed)
                 for item in batch:
                     item.steps_run += 1
                 finished = [i for i in batch if stage.is_done(i)]
@@ -387,7 +395,10 @@ class StagePool:
         """Items join the loop at a step boundary (their initial latents, scheduler, ...)."""
         with self._compute(worker):
             for item in joining:
-                self._m_queue_age.observe(time.monotonic() - item.enqueued_at)
+                waited = time.monotonic() - item.enqueued_at
+                self._m_queue_age.observe(waited)
+                if item.trace is not None:
+                    item.trace.queue_wait_s = waited
                 item.emit(EventKind.STAGE_STARTED)
                 try:
                     stage.start(item)
@@ -425,6 +436,20 @@ class StagePool:
             self._m_replica[worker]["run_time"].observe(seconds)
             self._m_replica[worker]["batch_size"].observe(items)
 
+    def _trace_call(self, batch: list[WorkItem], seconds: float) -> None:
+        """Note one stage call on its traced items, under one batch id (nothing when tracing is off)."""
+        traced = [item.trace for item in batch if item.trace is not None]
+        if traced:
+            batch_id = f"{self.name}-{next(self._calls)}"
+            for trace in traced:
+                trace.ran(batch_id, len(batch), seconds)
+
+    def _end_trace(self, item: WorkItem, error: StageError | None) -> None:
+        """The item leaves this stage: its span is exported, once."""
+        trace, item.trace = item.trace, None
+        if trace is not None:
+            trace.end(item.request_id, item.node, self.name, error)
+
     def _pop_matching(self, worker: int, key, limit: int) -> list[WorkItem]:
         taken: list[WorkItem] = []
         now = time.monotonic()
@@ -449,10 +474,14 @@ class StagePool:
 
     def _finish(self, item: WorkItem, outputs: dict[str, Any]) -> None:
         item.release()
+        if item.trace is not None:
+            self._end_trace(item, None)
         self._on_done(item, outputs)
 
     def _drop(self, item: WorkItem, error: StageError | None) -> None:
         item.release()
+        if item.trace is not None:
+            self._end_trace(item, error)
         self._on_drop(item, error)
 
     def _fail_all(self, items: list[WorkItem], exc: Exception) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 from stages.events import EventKind
 from stages.placement import Affinity
 from stages.request_state import RequestState
+
+if TYPE_CHECKING:
+    from stages.tracing import NodeTrace
 
 
 @dataclass
@@ -27,6 +30,7 @@ class WorkItem:
     route: Callable[..., bool] | None = None  # where a piece's events go (they are put in piece order there)
     replica: int | None = None  # a placed pool's replica it was routed to; None: whichever replica is free
     oom_retried: bool = False  # loop stages: its step ran out of memory once and was run again
+    trace: NodeTrace | None = None  # its stage span's facts while tracing is on (stages/tracing.py); None: off
 
     @property
     def request_id(self) -> str:
