@@ -142,14 +142,19 @@ def test_parallel_benchmark_prints_speed_ups():
 
 
 def test_omni_benchmark_prints_the_ratio():
-    """examples/bench_omni.py tiny: every run, the equality check of round 1 and the throughput ratio."""
+    """examples/bench_omni.py tiny: every run of the three sides, round 1's checks, the throughput ratio and the
+    streamed replies' time to first audio."""
     run = subprocess.run([sys.executable, "examples/bench_omni.py", "--requests", "2", "--rounds", "1",
-                          "--tokens", "6"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+                          "--tokens", "6", "--codes", "72"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                         timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
-    runs = re.findall(r"round 1 (mmserve|transformers) +2 spoken replies +\d+\.\d+ ms", run.stdout)
-    assert len(runs) == 2, run.stdout
-    assert "round 1: mmserve's text and audio equal transformers'" in run.stdout, run.stdout
+    runs = re.findall(r"round 1 (mmserve|transformers|streamed) +2 spoken replies +\d+\.\d+ ms", run.stdout)
+    assert len(runs) == 3, run.stdout
+    assert re.search(r"round 1: text equal, audio lengths equal, largest waveform difference \S+ \(within 1e-4\)",
+                     run.stdout), run.stdout
     assert re.search(r"throughput 2 concurrent: mmserve .* ratio \d+\.\d+x", run.stdout), run.stdout
+    assert re.search(r"time to first audio / time to the whole reply, median over [12] requests: \d\.\d\d",
+                     run.stdout), run.stdout
 
 
 def test_lora_benchmark_prints_the_ratios():

@@ -77,7 +77,8 @@ def _ready(health):
     from serve.routes.system import ready
 
     engine = SimpleNamespace(ready=True, models={"m": None, "n": None}, health=lambda: health, load_error=None)
-    response = asyncio.run(ready(SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(engine=engine)))))
+    state = SimpleNamespace(engine=engine, drain=SimpleNamespace(draining=False))  # not draining (serve/drain.py)
+    response = asyncio.run(ready(SimpleNamespace(app=SimpleNamespace(state=state))))
     return response.status_code, json.loads(response.body)
 
 

@@ -104,6 +104,12 @@ def build_qwen3_omni(seed: int = 0, deepstack: bool = False) -> Checkpoint:
                                 **special, **roles)
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    # transformers 5.25 leaves the talker's MoE expert weights (3-D parameters) as allocated: whatever the memory
+    # held (seen: 2e8, and NaN logits in a long test run). Every expert weight is drawn here, from the seed.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.normal_(0.0, 0.02)
     _liven_code2wav(model.code2wav)
     for gen in (model.generation_config, model.thinker.generation_config):
         gen.eos_token_id = tok.eos_token_id
