@@ -56,7 +56,7 @@ lint: install
 	$(PY) -m mypy
 
 test: install speech-tools browser lint
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 bench: install
 	$(PY) examples/bench_images.py
