@@ -33,15 +33,8 @@ from pipelines.omni import (
     not_speaking,
     streamed_reply,
 )
-from pipelines.omni3 import (
-    CODE2WAV_POOL,
-    Code2WavStage,
-    CodeChunks,
-    Omni3Voice,
-    Talker3Stage,
-    streamed_reply3,
-    talked3,
-)
+from pipelines.omni3 import Omni3Voice, Talker3Stage
+from pipelines.omni3_code2wav import CODE2WAV_POOL, Code2WavStage, CodeChunks, streamed_reply3, talked3
 from pipelines.omni_talker import TalkerStage, talked
 from pipelines.tools import with_calls
 from pipelines.tts import SPEECH_TASK, TTS_POOL, SpeechModel, SpeechRequest

@@ -29,7 +29,8 @@ from pipelines.chat import ChatRequest
 from pipelines.config import VoiceSessionConfig, VoiceSpec
 from pipelines.image_request import RequestError
 from pipelines.omni import SpeechOutput
-from pipelines.omni3 import DECODE_SPAN, FIRST_CHUNK, SAMPLE_RATE, CodeChunks
+from pipelines.omni3 import DECODE_SPAN, SAMPLE_RATE
+from pipelines.omni3_code2wav import FIRST_CHUNK, CodeChunks
 from stages.events import EventKind, StageError
 from stages.llm.params import SamplingParams
 from stages.pool import PoolConfig
