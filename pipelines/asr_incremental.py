@@ -69,6 +69,15 @@ class IncrementalTranscriber:
     def buffered_s(self) -> float:
         return self._samples / SAMPLE_RATE
 
+    @property
+    def samples(self) -> int:
+        """The utterance's length so far (16 kHz samples)."""
+        return self._samples
+
+    def request(self) -> TranscriptionRequest | None:
+        """The utterance so far as a request (None without audio); the utterance goes on."""
+        return self._request() if self._samples else None
+
     async def feed(self, samples: np.ndarray, partial: bool = True) -> list[Hypothesis]:
         """Add audio; returns the hypotheses it made due: a partial, and a final one if the utterance grew too long.
         `partial=False` decodes no partial now (the caller knows more audio or the endpoint follows at once)."""

@@ -315,6 +315,10 @@ class VoiceSessionConfig:
     max_input_age_ms: int = 2000  # input audio that waited this long in the session's mailbox is dropped
     mailbox_events: int = 256  # client events queued per session; the socket reader waits when it is full
     partial_every_s: float = 1.0  # ASR partials (transcription deltas) per this much speech; each costs a decode
+    # an utterance's audio ends this long after its last speech window; a pause this long starts its decode (the
+    # early final), so the final transcript is mostly decoded before the endpointing silence is over
+    early_final_ms: int = 100
+    speculate: bool = True  # start the response on the early final while the pause holds (realtime/voice/speculation)
     min_speech_ms: int = 64  # server_vad: speech must last this long to count (debounce; delays barge-in as much)
     vad: str = "silero"  # "silero" (the silero-vad package; energy when absent) or "energy"
     max_items: int = 512  # conversation items kept per session; the oldest are forgotten
@@ -327,8 +331,8 @@ class VoiceSessionConfig:
                              f"(>= {self.max_append_bytes * 4 // 3 + 1024})")
         if self.max_input_age_ms < 1 or self.mailbox_events < 1 or self.max_items < 2:
             raise ValueError("realtime.voice: max_input_age_ms and mailbox_events must be >= 1, max_items >= 2")
-        if self.partial_every_s <= 0 or self.min_speech_ms < 0:
-            raise ValueError("realtime.voice: partial_every_s must be > 0 and min_speech_ms >= 0")
+        if self.partial_every_s <= 0 or self.min_speech_ms < 0 or self.early_final_ms < 0:
+            raise ValueError("realtime.voice: partial_every_s must be > 0, min_speech_ms and early_final_ms >= 0")
         if self.vad not in ("silero", "energy"):
             raise ValueError(f"realtime.voice.vad must be 'silero' or 'energy', got {self.vad!r}")
 

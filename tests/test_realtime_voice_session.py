@@ -439,11 +439,12 @@ def _nodes(engine, node: str, pool: str) -> float:
 def test_a_turn_ended_by_the_vad_transcribes_in_the_responses_graph(engine):
     """The response that starts at speech_stopped runs the utterance's final decode as its graph's asr node: the
     transcript is announced as usual (completed, before the answer's item), and it is what the LLM was given;
-    a response cancelled at once hands the decode back, and the lane still finishes the transcript."""
+    a response cancelled at once hands the decode back, and the lane still finishes the transcript. (No early final
+    here: it would start once a pause has lasted early_final_ms, and the turn ends before that.)"""
     words = speech("My friend painted the kitchen table yesterday.")
 
     async def main():
-        s, c = await open_session(engine)
+        s, c = await open_session(engine, early_final_ms=1000)
         before = _nodes(engine, "asr", "asr/asr")
         await stream(s.receive, np.concatenate([silence(0.3), words, silence(0.8)]), realtime=False)
         done = await c.wait_event("response.done")

@@ -11,6 +11,11 @@ may be cut mid-word), and nothing when a re-decode revised earlier words. `...co
 the final transcript, which is what the response is built from (the LLM starts on a stable
 transcript, book ch.21).
 
+When the speaker pauses (`pause`), the utterance as it would end there is decoded at once: the early final.
+If the endpoint comes with no audio added since, that text is the final transcript (the same audio, the same
+greedy decode: nothing is decoded again); the sink hears of it (`transcript_stable`) so that the session may
+start a response on it speculatively. Audio that comes instead makes it a partial.
+
 A response that starts at the endpoint may take the final decode over (`endpoint(..., claim=True)`): the lane
 hands it the utterance's request (`Claim.handover`) instead of decoding it, the response's turn graph runs it
 as its asr node, ahead of the LLM in the same graph, and hands the transcript back (`Handover.transcript`);
@@ -31,17 +36,30 @@ import numpy as np
 
 from pipelines.asr import TranscriptionRequest
 from pipelines.asr_incremental import IncrementalTranscriber
+from stages.events import StageError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Op:
-    kind: str  # "audio" (samples), "endpoint" (the utterance is over), "oneshot" (a whole item's audio)
+    kind: str  # "audio" (samples), "pause" (it may end here), "endpoint" (the utterance is over), "oneshot" (a whole
+    #            item's audio)
     generation: int  # the lane's generation when queued; ops of an older one are dropped
     item_id: str
     samples: np.ndarray | None = None
     partials: bool = True  # audio: partial hypotheses may be decoded for it
+    upto: int = 0  # pause: where the utterance would end (the session's sample position)
+
+
+@dataclass
+class _EarlyFinal:
+    """The decode of an utterance as it stood when its speaker paused."""
+
+    item_id: str
+    transcriber: IncrementalTranscriber
+    samples: int  # the utterance's length then
+    text: str
 
 
 @dataclass
@@ -90,6 +108,9 @@ class TranscriptSink:
 
     async def transcript_failed(self, item_id: str, code: str, message: str) -> None: ...
 
+    async def transcript_stable(self, item_id: str, transcript: str, upto: int) -> None:
+        """The early final: the item's transcript if its utterance ends at `upto` (where the speaker paused)."""
+
 
 class AsrLane:
     def __init__(self, make_transcriber: Callable[[], IncrementalTranscriber], sink: TranscriptSink):
@@ -104,8 +125,9 @@ class AsrLane:
         self._parts: dict[str, list[str]] = {}  # item id -> finals of its earlier utterances (forced at 28 s)
         self._sent: dict[str, list[str]] = {}  # item id -> words sent as deltas
         self._audio_s: dict[str, float] = {}
-        self._endpoints_queued = 0
-        self._endpoint_waiting = asyncio.Event()  # set while an endpoint is queued: a partial in flight is aborted
+        self._early: _EarlyFinal | None = None
+        self._urgent_queued = 0  # endpoint and pause ops queued
+        self._urgent_waiting = asyncio.Event()  # set while one is: a partial in flight is aborted
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -131,16 +153,23 @@ class AsrLane:
         if len(samples):
             self._ops.put_nowait(_Op("audio", self.generation, item_id, samples, partials))
 
+    def pause(self, item_id: str, upto: int) -> None:
+        """The speaker paused: decode the utterance as it stands, which ends at `upto` if the turn ends here."""
+        self._urgent(_Op("pause", self.generation, item_id, upto=upto))
+
     def endpoint(self, item_id: str, claim: bool = False) -> Claim | None:
         """The item's utterance is over; with `claim`, the response about to start takes over its final decode."""
         self.final(item_id)
-        self._ops.put_nowait(_Op("endpoint", self.generation, item_id))
-        self._endpoints_queued += 1
-        self._endpoint_waiting.set()
+        self._urgent(_Op("endpoint", self.generation, item_id))
         if not claim:
             return None
         self._claims[item_id] = Claim(item_id)
         return self._claims[item_id]
+
+    def _urgent(self, op: _Op) -> None:
+        self._ops.put_nowait(op)
+        self._urgent_queued += 1
+        self._urgent_waiting.set()
 
     def oneshot(self, item_id: str, samples: np.ndarray) -> None:
         """Transcribe a whole item (conversation.item.create with input audio): its own utterance."""
@@ -186,19 +215,20 @@ class AsrLane:
 
     async def _apply(self, ops: list[_Op]) -> None:
         for i, op in enumerate(ops):
-            if op.kind == "endpoint":
-                self._endpoints_queued -= 1
-                if not self._endpoints_queued:
-                    self._endpoint_waiting.clear()
+            if op.kind in ("endpoint", "pause"):
+                self._urgent_queued -= 1
+                if not self._urgent_queued:
+                    self._urgent_waiting.clear()
             if op.generation != self.generation:
                 if op.kind == "endpoint" and (claim := self._claims.pop(op.item_id, None)) is not None:
                     claim.resolve(None)
                 continue
             if op.generation != self._applied_generation:  # the input buffer was cleared: drop what it held
                 self.transcriber, self._applied_generation = self.make_transcriber(), op.generation
+            later_audio = any(o.kind == "audio" and o.item_id == op.item_id for o in ops[i + 1:])
             if op.kind == "audio":
-                ends_soon = any(o.kind == "endpoint" and o.item_id == op.item_id for o in ops[i + 1:])
-                later_audio = any(o.kind == "audio" and o.item_id == op.item_id for o in ops[i + 1:])
+                self._early = None
+                ends_soon = any(o.kind in ("endpoint", "pause") and o.item_id == op.item_id for o in ops[i + 1:])
                 if op.partials and not (ends_soon or later_audio):
                     hypotheses = await self._feed_partial(op.samples)
                 else:
@@ -209,11 +239,21 @@ class AsrLane:
                         self._parts.setdefault(op.item_id, []).append(h.text.strip())
                     else:
                         await self._partial(op.item_id, h.text)
+            elif op.kind == "pause":
+                if not later_audio:  # else the speaker went on already
+                    await self._early_final(op.item_id, op.upto)
             elif op.kind == "endpoint":
-                transcriber = self.transcriber
+                transcriber, early, self._early = self.transcriber, self._early, None
+                decoded = early is not None and early.item_id == op.item_id and early.transcriber is transcriber \
+                    and early.samples == transcriber.samples  # the early final's audio is the whole utterance
                 utterance = transcriber.take_utterance()
                 self.transcriber = self.make_transcriber()  # the next utterance: the session's current settings
-                await self._finish(op.item_id, await self._final_text(op.item_id, transcriber, utterance.request))
+                if decoded:
+                    if (claim := self._claims.pop(op.item_id, None)) is not None:
+                        claim.resolve(None)  # decoded already: nothing to hand over
+                    await self._finish(op.item_id, early.text)
+                else:
+                    await self._finish(op.item_id, await self._final_text(op.item_id, transcriber, utterance.request))
             else:  # oneshot: its own transcriber, so an utterance in progress is not disturbed
                 transcriber = self.make_transcriber()
                 hypotheses = await transcriber.feed(op.samples, partial=False)
@@ -242,11 +282,26 @@ class AsrLane:
                     return text
         return await transcriber.decode(request)
 
+    async def _early_final(self, item_id: str, upto: int) -> None:
+        transcriber = self.transcriber
+        request = transcriber.request()
+        if request is None:
+            return
+        try:
+            text = await transcriber.decode(request)
+        except StageError as exc:  # the endpoint decodes it again; the utterance is not lost
+            log.warning("voice asr: early final failed: %s", exc)
+            return
+        self._early = _EarlyFinal(item_id, transcriber, transcriber.samples, text)
+        await self._partial(item_id, text)
+        transcript = " ".join(p for p in self._parts.get(item_id, []) + [text.strip()] if p)
+        await self.sink.transcript_stable(item_id, transcript, upto)
+
     async def _feed_partial(self, samples: np.ndarray) -> list:
-        """Feed with a partial decode, aborted when an endpoint is queued meanwhile: the final decode (what the
-        response waits for) must not wait behind a partial nobody will read."""
+        """Feed with a partial decode, aborted when an endpoint or a pause is queued meanwhile: the final decode
+        (what the response waits for) must not wait behind a partial nobody will read."""
         feed = asyncio.create_task(self.transcriber.feed(samples, partial=True))
-        ending = asyncio.create_task(self._endpoint_waiting.wait())
+        ending = asyncio.create_task(self._urgent_waiting.wait())
         try:
             await asyncio.wait({feed, ending}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # the lane is closing

@@ -48,6 +48,9 @@ class HeardAudioLane:
         if len(samples):
             self._pieces.setdefault(item_id, []).append(np.asarray(samples, np.float32))
 
+    def pause(self, item_id: str, upto: int) -> None:
+        """The model hears the audio itself: nothing to decode early."""
+
     def endpoint(self, item_id: str, claim: bool = False) -> None:
         """The item's utterance is over. No response claims a decode here (returns None, as an unclaimed ASR lane)."""
         pieces = self._pieces.pop(item_id, [])

@@ -5,6 +5,11 @@ a detected start opens a user item whose audio (from `prefix_padding_ms` before 
 to the ASR lane as it arrives, and a detected stop ends it. With `turn_detection: null` every
 appended sample belongs to the pending item until the client commits or clears it.
 
+An utterance's audio ends `early_final_ms` after its last speech window: the rest of the endpointing
+silence is not transcribed. So once a pause has lasted that long, the utterance as it would end there
+is known, and the lane decodes it at once (`AsrLane.pause`: the early final); audio past that point is
+held back until the speaker goes on (it joins the utterance) or the turn ends (it is dropped).
+
 Positions are absolute sample counts at 16 kHz since the session began (`ms = sample // 16`).
 """
 
@@ -49,10 +54,11 @@ class RingAudio:
 
 
 class VoiceInput:
-    def __init__(self, asr: AsrLane | HeardAudioLane, vad: VadLoader, *, min_speech_ms: int):
+    def __init__(self, asr: AsrLane | HeardAudioLane, vad: VadLoader, *, min_speech_ms: int, early_final_ms: int):
         self.asr = asr
         self.vad = vad
         self.min_speech_ms = min_speech_ms
+        self.end_pad = early_final_ms * SAMPLE_RATE // 1000  # an utterance's audio past its last speech window
         self.format: AudioFormat = PCM16
         self.turn_detection: TurnDetection | None = None
         self.detector: TurnDetector | None = None
@@ -61,6 +67,7 @@ class VoiceInput:
         self._resampler = StreamResampler(PCM16.rate, SAMPLE_RATE)
         self._forwarded = 0  # the pending item's audio has gone to the ASR lane up to here
         self._buffered = 0  # manual mode: samples in the pending item
+        self.paused_upto: int | None = None  # the pending item's early final covers its audio up to here
 
     @property
     def speaking(self) -> bool:
@@ -77,7 +84,8 @@ class VoiceInput:
                 self.detector = None
             else:
                 params = VadParams(turn_detection.threshold, turn_detection.prefix_padding_ms,
-                                   turn_detection.silence_duration_ms, self.min_speech_ms)
+                                   turn_detection.silence_duration_ms, self.min_speech_ms,
+                                   turn_detection.sentence_silence_ms)
                 if self.detector is None:
                     self.detector = TurnDetector(self.vad.new(), params)
                 else:
@@ -106,22 +114,33 @@ class VoiceInput:
         """Speech started: a new pending item, its audio from the prefix padding on. Returns (item id, first sample)."""
         padding = self.turn_detection.prefix_padding_ms * SAMPLE_RATE // 1000
         first = max(self.ring.start, event.sample - padding)
-        self.pending_item, self._forwarded = new_id("item"), first
+        self.pending_item, self._forwarded, self.paused_upto = new_id("item"), first, None
         return self.pending_item, first
 
     def end(self, event: VadEvent) -> str | None:
-        """Speech stopped: the pending item's audio up to the stop goes to the ASR lane; returns the item."""
+        """Speech stopped: the pending item's audio up to `early_final_ms` past its speech goes to the ASR lane;
+        returns the item."""
         item_id = self.pending_item
         if item_id is not None:
-            self._forward(item_id, event.sample)
-        self.pending_item = None
+            upto = event.sample if event.speech_end is None else min(event.sample, event.speech_end + self.end_pad)
+            self._forward(item_id, upto, partials=False)
+        self.pending_item = self.paused_upto = None
         return item_id
 
     def flush(self) -> None:
-        """After a feed's decisions: audio of an ongoing turn goes to the lane; the ring keeps what a start may need."""
+        """After a feed's decisions: audio of an ongoing turn goes to the lane (while the speaker pauses, only up to
+        `early_final_ms` into the pause, which starts the early final); the ring keeps what a start may need."""
         if self.pending_item is not None and self.speaking:
-            # no partial decode while the speaker pauses: the endpoint may come next, and its decode must not queue
-            self._forward(self.pending_item, self.ring.end, partials=not self.detector.pausing)
+            pause = self.detector.pause_start
+            if pause is None:
+                self._forward(self.pending_item, self.ring.end)
+                self.paused_upto = None
+            else:  # no partial decode while the speaker pauses: the early final or the endpoint comes next
+                upto = pause + self.end_pad
+                self._forward(self.pending_item, min(self.ring.end, upto), partials=False)
+                if self.ring.end >= upto and self.paused_upto != upto:
+                    self.paused_upto = upto
+                    self.asr.pause(self.pending_item, upto)
             self.ring.trim(self._forwarded)
         elif self.turn_detection is not None:
             td = self.turn_detection
@@ -137,15 +156,15 @@ class VoiceInput:
                                 f"{MIN_COMMIT_MS} ms of audio, but the buffer holds {have} ms")
         item_id = self.pending_item
         if self.detector is not None:  # mid-speech: the turn ends here
-            self._forward(item_id, self.ring.end)
+            self._forward(item_id, self.ring.end, partials=False)
             self.detector.reset()
-        self.pending_item, self._buffered = None, 0
+        self.pending_item, self._buffered, self.paused_upto = None, 0, None
         return item_id
 
     def clear(self) -> None:
         """Drop the pending item's audio (the ASR lane forgets it too)."""
         self.asr.clear(self.pending_item)
-        self.pending_item, self._buffered = None, 0
+        self.pending_item, self._buffered, self.paused_upto = None, 0, None
         if self.detector is not None:
             self.detector.reset()
 

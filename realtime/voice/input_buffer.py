@@ -45,6 +45,12 @@ class InputBufferControl:
             else:
                 await self._speech_stopped(vad_event)
         self.input.flush()
+        # speech that may be a barge-in: response audio waits until it is one (cancelled) or is not (it goes on)
+        detector, td = self.input.detector, self.config.turn_detection
+        if detector is not None and detector.suspecting and td is not None and td.interrupt_response:
+            self.audio_gate.clear()
+        else:
+            self.audio_gate.set()
 
     async def _speech_started(self, vad_event) -> None:
         self.disarm_idle()
@@ -77,6 +83,7 @@ class InputBufferControl:
             return
         await self.emit({"type": "input_audio_buffer.speech_stopped",
                          "audio_end_ms": vad_event.sample * 1000 // SAMPLE_RATE, "item_id": item_id})
+        self.turn_ended(item_id)  # a speculation on this utterance may be adopted (speculation.py)
         respond = self.config.turn_detection.create_response and self.response is None
         claim = await self._commit_item(item_id, respond)  # the response takes the final decode into its graph
         if respond and self.response is None:

@@ -23,6 +23,9 @@ class VoiceMetrics:
         self.ttfa = Histogram("mmserve_realtime_voice_time_to_first_audio_seconds", "End of the user's turn "
                               "(speech_stopped, commit or response.create) to the first audio delta sent",
                               ["model"], buckets=TIME_BUCKETS, registry=r)
+        self.speculations = Counter("mmserve_realtime_voice_speculations_total", "Responses started while the "
+                                    "speaker paused, by outcome (started; kept: adopted at the turn's end; "
+                                    "discarded)", ["model", "outcome"], registry=r)
         self.interrupt = Histogram("mmserve_realtime_voice_interruption_to_silence_seconds", "Barge-in (or "
                                    "cancel) seen to the last audio of the cancelled response sent",
                                    ["model"], buckets=TIME_BUCKETS, registry=r)

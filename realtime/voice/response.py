@@ -18,6 +18,7 @@ the engine request (every node of it) and the sender, and the queue dies with th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable
@@ -95,6 +96,7 @@ class Response:
     claim: Claim | None = None  # its claim on the final decode of the utterance that ended the turn
     calls: list[Item] = field(default_factory=list)  # the function_call items it made (output after its message)
     holding: bool = False  # tools: the LLM's text is held until the reply is known not to be a call
+    speculated: bool = False  # its graph is a speculation it adopted (started before the turn ended)
 
     @property
     def output_rate(self) -> int:
@@ -161,6 +163,7 @@ class ResponseRunner:
         finally:
             if r.claim is not None:
                 r.claim.release()
+            s.drop_speculation()  # its turn's speculation, unless its graph adopted it
         if self.current():
             await s.complete_response(r, status, reason, error)
 
@@ -232,21 +235,23 @@ class ResponseRunner:
         deltas go out as transcript (or text) deltas, audio, in order, to the sender. Returns the LLM's finish
         reason."""
         s, r = self.s, self.r
-        params = SamplingParams(temperature=r.params.temperature, max_tokens=r.params.max_output_tokens,
-                                seed=s.spec.seed)
         r.timings.llm_submit = s.clock()
         if s.spec.omni:
+            params = SamplingParams(temperature=r.params.temperature, max_tokens=r.params.max_output_tokens,
+                                    seed=s.spec.seed)
             speech = SpeechOutput(r.voice, secrets.randbits(31) if s.spec.seed is None else s.spec.seed, stream=True)
             chat = ChatRequest(messages=messages, params=params, tenant=s.tenant, speech=speech if r.audio else None)
             handle = await self._submit(s.engine.asubmit_chat(s.spec.omni, chat, fence=self.current))
         else:
-            tts = SpeechRequest("", voice=r.voice, speed=r.speed, sample_rate=r.output_rate,
-                                tenant=s.tenant) if r.audio else None
-            tools = r.params.tools if r.params.calls else None
-            request = VoiceTurnRequest(ChatRequest(messages=messages, params=params, tenant=s.tenant, tools=tools),
-                                       tts, heard)
-            handle = await self._submit(asyncio.to_thread(s.engine.submit_voice_turn, s.spec.name, request,
-                                                          fence=self.current))
+            request = voice_turn_request(s, r.params, messages, heard, voice=r.voice, speed=r.speed,
+                                         rate=r.output_rate)
+            handle = s.adopt_speculation(request, self.current) if heard is None else None
+            if handle is not None:  # its events so far wait in the stream: what it made goes out at once
+                r.speculated = True
+                r.handles.append(handle)
+            else:
+                handle = await self._submit(asyncio.to_thread(s.engine.submit_voice_turn, s.spec.name, request,
+                                                              fence=self.current))
         finish = None
         name = "response.output_audio_transcript.delta" if r.audio else "response.output_text.delta"
         spoken = 0  # an omni reply: the characters of its text that went with its audio chunks so far
@@ -326,10 +331,25 @@ class ResponseRunner:
     async def _pace(self, chunk_ms: float) -> None:
         s = self.s
         while True:
+            if not s.audio_gate.is_set():  # the user may be barging in: nothing more until that is decided (bounded,
+                hold_s = s.limits.min_speech_ms / 1000 + 0.2  # should the client stop sending audio meanwhile)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(s.audio_gate.wait(), hold_s)
             over = s.playback.lead_ms(s.clock()) + chunk_ms - s.limits.max_lead_ms
             if over <= 0:
                 return
             await asyncio.sleep(over / 1000)
+
+
+def voice_turn_request(s: VoiceSession, params: ResponseParams, messages: list[dict[str, Any]],
+                       heard: HeardSpeech | None = None, *, voice: str, speed: float, rate: int) -> VoiceTurnRequest:
+    """A cascade's turn graph request for `params` (a response's, or a speculation's: equal requests are one turn)."""
+    sampling = SamplingParams(temperature=params.temperature, max_tokens=params.max_output_tokens, seed=s.spec.seed)
+    tts = SpeechRequest("", voice=voice, speed=speed, sample_rate=rate, tenant=s.tenant) \
+        if "audio" in params.output_modalities else None
+    tools = params.tools if params.calls else None
+    chat = ChatRequest(messages=messages, params=sampling, tenant=s.tenant, tools=tools)
+    return VoiceTurnRequest(chat, tts, heard)
 
 
 def response_object(r: Response, *, status: str, reason: str | None = None, error: dict[str, Any] | None = None,

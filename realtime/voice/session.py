@@ -43,6 +43,7 @@ from realtime.voice.metrics import VoiceMetrics
 from realtime.voice.protocol import FORCED_CHOICES, ProtocolError, SessionConfig, event_name, parse_client_event
 from realtime.voice.response import OutputChunk, Response
 from realtime.voice.session_control import SessionControl
+from realtime.voice.speculation import Speculation, SpeculationControl, StableTranscript
 from realtime.voice.turns import ResponseControl
 from realtime.voice.vad import VadLoader
 
@@ -54,11 +55,11 @@ IDLE_TIMEOUT = object()  # the mailbox entry of a due server_vad idle timeout (a
 
 @dataclass
 class Inbound:
-    message: str | bytes | object  # one client frame, or IDLE_TIMEOUT
+    message: str | bytes | object  # one client frame, IDLE_TIMEOUT or a StableTranscript
     received_at: float  # session clock when it arrived (input audio older than max_input_age_ms is dropped)
 
 
-class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseControl):
+class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseControl, SpeculationControl):
     def __init__(self, engine, spec: VoiceSpec, limits: VoiceSessionConfig, *, session_id: str, resume_token: str,
                  outbox: Outbox, vad: VadLoader, tenant: str = "default", beta: bool = False,
                  clock: Callable[[], float] = time.monotonic):
@@ -70,6 +71,9 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
                                     max_output_tokens=spec.max_output_tokens, beta=beta)
         self.epoch = 0  # the fence: bumped by every interruption
         self.response: Response | None = None  # the active response
+        self.speculation: Speculation | None = None  # a response started while the speaker pauses (speculation.py)
+        self.audio_gate = asyncio.Event()  # cleared while speech that may be a barge-in is being confirmed
+        self.audio_gate.set()
         self.conversation = Conversation(limits.max_items)
         self.playback = PlaybackClock()
         self.asr: AsrLane | HeardAudioLane
@@ -81,7 +85,8 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
             self.asr, self.max_heard = HeardAudioLane(omni.max_audio_s(engine.config.media)), omni.vlm.max_audios
         else:
             self.asr, self.max_heard = AsrLane(self._transcriber, self), 0
-        self.input = VoiceInput(self.asr, vad, min_speech_ms=limits.min_speech_ms)
+        self.input = VoiceInput(self.asr, vad, min_speech_ms=limits.min_speech_ms,
+                                early_final_ms=limits.early_final_ms)
         self.input.configure(self.config.input_format, self.config.turn_detection)
         self.stale_chunks_dropped = 0  # audio of an old epoch stopped at the fence
         self.input_chunks_dropped = 0  # appends older than max_input_age_ms
@@ -137,6 +142,8 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
             self.epoch += 1
             r.stop()
             self.response = None
+        if self.speculation is not None:
+            self._discard_speculation(self.speculation)
         if self.outbox.attached and reason not in ("client_closed",):
             await self.emit({"type": "session.expired", "reason": reason})
         tasks = [t for t in (self._worker, r.task if r else None) if t is not None]
@@ -195,6 +202,9 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
                 if inbound.message is IDLE_TIMEOUT:
                     await self._idle_timeout()
                     continue
+                if isinstance(inbound.message, StableTranscript):
+                    await self._stable(inbound.message)
+                    continue
                 event = parse_client_event(inbound.message, self.limits.max_event_bytes)
                 event_id = event.get("event_id")
                 await self._handlers[event["type"]](event, inbound)
@@ -207,7 +217,17 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
                 await self._error(ProtocolError("internal_error", f"the server failed to apply the event: {exc}",
                                                 error_type="server_error"), event_id)
             finally:
+                self.check_speculation()
                 self._mailbox.task_done()
+
+    def post(self, message: object) -> bool:
+        """Queue a server-side entry (IDLE_TIMEOUT, StableTranscript), applied in order with the client's events;
+        False when the mailbox is full."""
+        try:
+            self._mailbox.put_nowait(Inbound(message, self.clock()))
+            return True
+        except asyncio.QueueFull:
+            return False
 
     # -- server_vad idle timeout: armed here, applied by input_buffer.py ----------------------------------
     def arm_idle(self) -> None:
@@ -227,10 +247,7 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
 
     def _idle_due(self) -> None:
         self._idle_timer = None
-        try:
-            self._mailbox.put_nowait(Inbound(IDLE_TIMEOUT, self.clock()))
-        except asyncio.QueueFull:  # the client is busy sending: it is not idle
-            pass
+        self.post(IDLE_TIMEOUT)  # a full mailbox: the client is busy sending, it is not idle
 
 
 def _event_id_of(message: str | bytes) -> str | None:

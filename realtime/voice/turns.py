@@ -82,27 +82,27 @@ class ResponseControl:
 
     async def context_for(self, r: Response) -> list[dict[str, Any]]:
         """The chat messages of a response, once every user transcript in them is final (the LLM gate)."""
-        return (await self._context(r, None))[0]
+        return (await self._context(r.params, None))[0]
 
     async def turn_context(self, r: Response) -> tuple[list[dict[str, Any]], HeardSpeech | None]:
         """context_for, except when the response took over the final decode of the utterance that ended the turn:
         then that item's message is a placeholder its graph's asr node fills (the HeardSpeech), and only the
         other transcripts are waited for."""
         if r.claim is None or r.params.input_items is not None:
-            return await self._context(r, None)
+            return await self._context(r.params, None)
         claim = r.claim
         handover = await asyncio.shield(claim.handover)
         pending = [item for item in self.conversation if item.id != claim.item_id
                    and item.transcript is not None and not item.transcript.done()]
         if handover is None or pending:  # a later item waits for the lane, which would wait for this response
             claim.release()
-            return await self._context(r, None)
-        return await self._context(r, (claim.item_id, handover))
+            return await self._context(r.params, None)
+        return await self._context(r.params, (claim.item_id, handover))
 
-    async def _context(self, r: Response, heard: tuple[str, Handover] | None):
-        system = [{"role": "system", "content": r.params.instructions}]
-        if r.params.input_items is not None:
-            turns = [(spec["role"], spec["text"]) for spec in r.params.input_items]
+    async def _context(self, params: ResponseParams, heard: tuple[str, Handover] | None):
+        system = [{"role": "system", "content": params.instructions}]
+        if params.input_items is not None:
+            turns = [(spec["role"], spec["text"]) for spec in params.input_items]
             return system + [{"role": role, "content": text} for role, text in turns if text.strip()], None
         items = list(self.conversation)
         for item in items:
@@ -248,7 +248,7 @@ class ResponseControl:
         if status != "cancelled" or r.timings.interrupt is None:
             report["interrupt_to_silence_ms"] = None
         await self.emit({"type": "response.metrics", "response_id": r.id, "status": status, "epoch": r.epoch,
-                         "audio_sent_ms": round(r.item.audio_ms, 1), **report})
+                         "audio_sent_ms": round(r.item.audio_ms, 1), "speculated": r.speculated, **report})
         if r.timings.first_audio is not None:
             self.metrics.ttfa.labels(model=self.spec.name).observe(r.timings.first_audio - r.timings.start)
         if status == "cancelled" and r.timings.interrupt is not None:

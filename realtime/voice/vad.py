@@ -8,7 +8,11 @@
 * `silence_duration_ms` (500): this much silence ends the turn; `speech_stopped`'s `audio_end_ms`
   is where that silence has been seen, so it includes the silence, as OpenAI's does.
 * `min_speech_ms` (an extension, server-configured): speech must last this long before it counts,
-  a debounce against clicks and breaths that costs the same time in barge-in detection.
+  a debounce against clicks and breaths. Meanwhile the detector is `suspecting`: the session holds
+  back response audio then, so a barge-in costs no more than one speech window of old audio.
+* `sentence_silence_ms` (an extension, opt-in; `semantic_vad` sets it): the adaptive end of turn. While
+  the transcript of the utterance as it stands ends a sentence (`sentence_ended`, set by the session from
+  the early final), this much silence ends the turn; mid-phrase `silence_duration_ms` stays the rule.
 
 The probability comes from the Silero VAD model (the `silero-vad` PyPI package, its TorchScript
 file loaded with torch alone: the package's own loader would import torchaudio and change torch's
@@ -42,12 +46,13 @@ class VadParams:
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     min_speech_ms: int = 64
+    sentence_silence_ms: int | None = None  # adaptive: the silence that ends a turn whose transcript ends a sentence
 
     def __post_init__(self):
         if not 0 <= self.threshold <= 1:
             raise ValueError(f"threshold must be between 0 and 1, got {self.threshold}")
-        for key in ("prefix_padding_ms", "silence_duration_ms", "min_speech_ms"):
-            if getattr(self, key) < 0:
+        for key in ("prefix_padding_ms", "silence_duration_ms", "min_speech_ms", "sentence_silence_ms"):
+            if (getattr(self, key) or 0) < 0:
                 raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
 
 
@@ -55,6 +60,7 @@ class VadParams:
 class VadEvent:
     kind: str  # "start" or "stop"
     sample: int  # start: the first speech sample; stop: where the silence that ended the turn has been seen
+    speech_end: int | None = None  # stop: where that silence began (the end of the last speech window)
 
 
 class SpeechModel(Protocol):
@@ -161,12 +167,23 @@ class TurnDetector:
         self._position = 0  # absolute index of the first pending sample
         self._run_start: int | None = None  # idle: where the current run of speech windows began
         self._silence_start: int | None = None  # speaking: where the current run of silent windows began
+        self.sentence_ended = False  # the utterance's transcript so far ends a sentence (adaptive end of turn)
         self.last_probability = 0.0
 
     @property
     def pausing(self) -> bool:
         """Speaking, but the latest windows were silent: the turn may be about to end."""
         return self.speaking and self._silence_start is not None
+
+    @property
+    def pause_start(self) -> int | None:
+        """While pausing: where the silence began (the end of the last speech window); else None."""
+        return self._silence_start if self.speaking else None
+
+    @property
+    def suspecting(self) -> bool:
+        """Not speaking, but the latest windows were speech: a start is due unless they stop within min_speech_ms."""
+        return not self.speaking and self._run_start is not None
 
     @property
     def samples_seen(self) -> int:
@@ -176,6 +193,7 @@ class TurnDetector:
         """Forget the run in progress (the model state too); e.g. after the client commits mid-speech."""
         self.speaking = speaking
         self._run_start = self._silence_start = None
+        self.sentence_ended = False
         self.model.reset()
 
     def feed(self, samples: np.ndarray) -> list[VadEvent]:
@@ -183,6 +201,8 @@ class TurnDetector:
         p = self.params
         min_speech = math.ceil(p.min_speech_ms * SAMPLE_RATE / 1000)
         min_silence = math.ceil(p.silence_duration_ms * SAMPLE_RATE / 1000)
+        if p.sentence_silence_ms is not None and self.sentence_ended:
+            min_silence = min(min_silence, math.ceil(p.sentence_silence_ms * SAMPLE_RATE / 1000))
         negative = max(0.01, p.threshold - NEG_THRESHOLD_GAP)
         self._pending = np.concatenate([self._pending, np.asarray(samples, np.float32)])
         events: list[VadEvent] = []
@@ -202,8 +222,9 @@ class TurnDetector:
             elif prob < negative:
                 self._silence_start = start if self._silence_start is None else self._silence_start
                 if end - self._silence_start >= min_silence:
-                    events.append(VadEvent("stop", end))
-                    self.speaking, self._silence_start = False, None
+                    events.append(VadEvent("stop", end, self._silence_start))
+                    self.speaking, self._silence_start, self.sentence_ended = False, None, False
             else:
                 self._silence_start = None
+                self.sentence_ended = False  # more speech: the transcript that ended a sentence is out of date
         return events

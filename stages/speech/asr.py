@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from stages.events import EventKind
-from stages.speech.asr_decode import WhisperTokens, decode, detect_languages, encode
+from stages.speech.asr_decode import EncodeStopped, WhisperTokens, decode, detect_languages, encode
 from stages.speech.asr_transcript import AudioWindow, DecodedWindow, Segment, TranscriptStream, window_segments
 from stages.stage import Stage, WorkItem
 
@@ -95,8 +95,12 @@ class AsrStage(Stage):
         windows = [jobs[r.item].windows[r.window].samples for r in chunk]
         features = torch.from_numpy(self.feature_extractor(windows, sampling_rate=self.feature_extractor.sampling_rate,
                                                            return_tensors="np").input_features)  # [n, n_mels, 3000]
-        enc = torch.cat([encode(self.whisper, features[k:k + self.encoder_batch])
-                         for k in range(0, len(chunk), self.encoder_batch)])  # [n, 1500, d_model]
+        stopped = lambda: all(items[r.item].request.should_stop() for r in chunk)  # noqa: E731
+        try:
+            enc = torch.cat([encode(self.whisper, features[k:k + self.encoder_batch], stopped)
+                             for k in range(0, len(chunk), self.encoder_batch)])  # [n, 1500, d_model]
+        except EncodeStopped:  # every request of the chunk was cancelled: they leave without outputs
+            return {}
         languages = self._languages(chunk, jobs, enc)
         prefixes = [list(jobs[r.item].prompt_ids) + self.tokens.init_tokens(
             language=self.tokens.languages.get(f"<|{lang}|>"), task=jobs[r.item].task,

@@ -15,6 +15,7 @@ KV rows are dropped, the others run on.
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -61,10 +62,35 @@ class WhisperTokens:
         return tokens
 
 
+class EncodeStopped(Exception):
+    """`encode` gave up between two layers: nobody waits for it any more."""
+
+
+_stopping = threading.local()  # the calling thread's `should_stop` while it runs `encode`
+
+
+def _check_stop(module, args) -> None:
+    should_stop = getattr(_stopping, "fn", None)
+    if should_stop is not None and should_stop():
+        raise EncodeStopped
+
+
 @torch.inference_mode()
-def encode(model, features: torch.Tensor) -> torch.Tensor:
-    """Log-mel windows [B, n_mels, 3000] -> encoder states [B, 1500, d_model]."""
-    return model.model.encoder(features.to(model.device, model.dtype)).last_hidden_state
+def encode(model, features: torch.Tensor, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+    """Log-mel windows [B, n_mels, 3000] -> encoder states [B, 1500, d_model]. With `should_stop`, it is asked
+    before each layer and EncodeStopped raised when it says so (a window's encode is a few hundred ms of CPU:
+    a cancelled request must not hold the stage that long). The check is a pre-hook on each layer, installed once
+    per model, that reads the calling thread's `should_stop` (threads may share the model)."""
+    encoder = model.model.encoder
+    if not getattr(encoder, "_stop_hooks", False):
+        for layer in encoder.layers:
+            layer.register_forward_pre_hook(_check_stop)
+        encoder._stop_hooks = True
+    _stopping.fn = should_stop
+    try:
+        return encoder(features.to(model.device, model.dtype)).last_hidden_state
+    finally:
+        _stopping.fn = None
 
 
 @torch.inference_mode()
@@ -78,21 +104,36 @@ def detect_languages(model, enc: torch.Tensor, tokens: WhisperTokens) -> list[in
     return (logits + allowed).argmax(-1).tolist()
 
 
-def logits_processors(model, begin_index: int, timestamps: bool, device) -> list:
+class SuppressTokens:
+    """generate()'s SuppressTokensLogitsProcessor (`begin_index` None) or SuppressTokensAtBeginLogitsProcessor (only
+    at that length of the ids): the same -inf scores, its mask built once, not at every step (their isin over the
+    vocabulary was a tenth of a tiny model's decode on a CPU)."""
+
+    def __init__(self, tokens, begin_index: int | None = None):
+        self.tokens = torch.tensor(list(tokens), dtype=torch.long)
+        self.begin_index = begin_index
+        self._mask: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.begin_index is not None and input_ids.shape[-1] != self.begin_index:
+            return scores
+        if self._mask is None or self._mask.shape[-1] != scores.shape[-1] or self._mask.device != scores.device:
+            mask = torch.zeros(scores.shape[-1], dtype=torch.bool)
+            mask[self.tokens[self.tokens < scores.shape[-1]]] = True
+            self._mask = mask.to(scores.device)
+        return torch.where(self._mask, -float("inf"), scores)
+
+
+def logits_processors(model, begin_index: int, timestamps: bool) -> list:
     """generate()'s processors for Whisper, in its order (each is prepended to the list there)."""
-    from transformers.generation.logits_process import (
-        LogitsProcessor,
-        SuppressTokensAtBeginLogitsProcessor,
-        SuppressTokensLogitsProcessor,
-        WhisperTimeStampLogitsProcessor,
-    )
+    from transformers.generation.logits_process import LogitsProcessor, WhisperTimeStampLogitsProcessor
 
     g = model.generation_config
-    processors: list[LogitsProcessor] = []
+    processors: list[LogitsProcessor | SuppressTokens] = []
     if g.begin_suppress_tokens:
-        processors.append(SuppressTokensAtBeginLogitsProcessor(g.begin_suppress_tokens, begin_index, device=device))
+        processors.append(SuppressTokens(g.begin_suppress_tokens, begin_index))
     if g.suppress_tokens:
-        processors.append(SuppressTokensLogitsProcessor(g.suppress_tokens, device=device))
+        processors.append(SuppressTokens(g.suppress_tokens))
     if timestamps:
         processors.append(WhisperTimeStampLogitsProcessor(g, begin_index=begin_index))
     return processors
@@ -114,7 +155,7 @@ def decode(model, enc: torch.Tensor, prefixes: list[list[int]], *, timestamps: b
     length = len(prefixes[0])
     assert all(len(p) == length for p in prefixes), "decode() takes prefixes of one length"
     ids = torch.tensor(prefixes, dtype=torch.long, device=enc.device)  # [B, P], grows by one column a step
-    processors = logits_processors(model, length, timestamps, enc.device)
+    processors = logits_processors(model, length, timestamps)
     rows = list(range(len(prefixes)))  # live rows -> their index in `prefixes`
     out: list[list[int]] = [[] for _ in prefixes]
     out_logprobs: list[list[float]] = [[] for _ in prefixes]
