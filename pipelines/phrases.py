@@ -4,7 +4,8 @@ A phrase ends at a sentence end (. ! ? … followed by a space, closing quotes a
 or a line break. A sentence longer than the limit is cut at its last clause boundary
 (, ; : — – followed by a space) within the limit, else at its last space, else hard at the
 limit. The first phrase may have a lower limit, so the first audio of a long opening sentence
-comes sooner. Common abbreviations ("Mr.", "e.g.", "p.m.") and initials ("J. Smith") do not end a sentence.
+comes sooner, and may end at its first clause boundary once it is `first_clause_chars` long (a voice
+turn's first audio then waits for a clause, not a sentence; shorter fragments sound clipped). Common abbreviations ("Mr.", "e.g.", "p.m.") and initials ("J. Smith") do not end a sentence.
 
 `PhraseSplitter` works incrementally (text arriving from a language model, token by token);
 `split_phrases` is the same on a whole text: feeding a text in any pieces gives the same phrases.
@@ -25,11 +26,15 @@ _ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "
 class PhraseLimits:
     max_chars: int = 200  # a phrase never exceeds this (cut at a clause or a space when it would)
     first_max_chars: int = 100  # the first phrase's limit: the first audio of a long opening comes sooner
+    first_clause_chars: int | None = None  # the first phrase may end at a clause boundary this far in (None: no)
 
     def __post_init__(self):
         if not 1 <= self.first_max_chars <= self.max_chars:
             raise ValueError(f"phrase limits need 1 <= first_max_chars <= max_chars, got {self.first_max_chars} "
                              f"and {self.max_chars}")
+        if self.first_clause_chars is not None and not 1 <= self.first_clause_chars <= self.first_max_chars:
+            raise ValueError("phrase limits need 1 <= first_clause_chars <= first_max_chars, got "
+                             f"{self.first_clause_chars}")
 
 
 @dataclass
@@ -51,8 +56,12 @@ class PhraseSplitter:
         out: list[str] = []
         while True:
             self._buffer = self._buffer.lstrip()
-            limit = self.limits.first_max_chars if self._emitted == 0 else self.limits.max_chars
+            first = self._emitted == 0
+            limit = self.limits.first_max_chars if first else self.limits.max_chars
             end = _sentence_end(self._buffer, limit)
+            if first and self.limits.first_clause_chars is not None:  # the earlier of a sentence end and a clause
+                clause = _clause_end(self._buffer, self.limits.first_clause_chars, limit)
+                end = clause if end is None or (clause is not None and clause < end) else end
             if end is None and len(self._buffer) > limit:
                 end = _cut_point(self._buffer, limit)
             if end is None:
@@ -95,6 +104,11 @@ def _is_abbreviation(text: str, dot: int) -> bool:
     # listed words, initials ("J."), dotted letters ("e.g.", "p.m.", "U.S.")
     return (token in _ABBREVIATIONS or (len(token) == 1 and token.isalpha())
             or re.fullmatch(r"(\w\.)+\w", token) is not None)
+
+
+def _clause_end(text: str, at_least: int, limit: int) -> int | None:
+    """Index just after the first clause end at `at_least` to `limit` characters, or None."""
+    return next((m.end() for m in _CLAUSE_END.finditer(text, 0, limit + 1) if at_least <= m.end() <= limit), None)
 
 
 def _cut_point(text: str, limit: int) -> int:

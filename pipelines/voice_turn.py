@@ -44,7 +44,7 @@ from pipelines.tts import SpeechModel, SpeechRequest
 from stages.graph import Node, StageGraph, Stream
 
 # The first phrase is short, so the first audio comes soon; later ones may be whole sentences.
-VOICE_PHRASES = PhraseLimits(max_chars=200, first_max_chars=60)
+VOICE_PHRASES = PhraseLimits(max_chars=200, first_max_chars=60, first_clause_chars=24)  # 24: about four words
 
 
 @dataclass(frozen=True)

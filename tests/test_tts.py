@@ -77,11 +77,20 @@ def test_long_sentences_are_cut_at_clauses_then_spaces_within_the_limits():
     assert phrases[-2:] == ["x" * 40, "xxxxxxxxxx end."]  # a word longer than the limit is cut hard
 
 
+def test_the_first_phrase_may_end_at_a_clause_once_it_is_long_enough():
+    limits = PhraseLimits(max_chars=200, first_max_chars=60, first_clause_chars=24)
+    text = "Well, the red car is parked outside, right by the door. Then we left, quickly."
+    assert split_phrases(text, limits) == ["Well, the red car is parked outside,", "right by the door.",
+                                           "Then we left, quickly."]  # "Well," is too short; later ones: sentences
+    assert split_phrases("Yes. Of course, gladly.", limits) == ["Yes.", "Of course, gladly."]  # a sentence first
+    assert split_phrases(text) == ["Well, the red car is parked outside, right by the door.", "Then we left, quickly."]
+
+
 def test_feeding_pieces_gives_the_same_phrases_as_the_whole_text():
     rng = random.Random(0)
-    limits = PhraseLimits(max_chars=30, first_max_chars=12)
     words = ["alpha", "beta,", "gamma.", "delta!", "Mr.", "e.g.", "x" * 35, "omega;", "pi?\n", "rho"]
-    for _ in range(50):
+    for k in range(100):
+        limits = PhraseLimits(max_chars=30, first_max_chars=12, first_clause_chars=6 if k % 2 else None)
         text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))
         splitter, got = PhraseSplitter(limits), []
         i = 0
@@ -91,6 +100,7 @@ def test_feeding_pieces_gives_the_same_phrases_as_the_whole_text():
             i = j
         got += splitter.flush()
         assert got == split_phrases(text, limits), text
+        assert "".join(got).replace(" ", "") == text.replace(" ", "").replace("\n", "")
 
 
 # -- audio helpers ---------------------------------------------------------------------------
