@@ -5,7 +5,8 @@ or a line break. A sentence longer than the limit is cut at its last clause boun
 (, ; : — – followed by a space) within the limit, else at its last space, else hard at the
 limit. The first phrase may have a lower limit, so the first audio of a long opening sentence
 comes sooner, and may end at its first clause boundary once it is `first_clause_chars` long (a voice
-turn's first audio then waits for a clause, not a sentence; shorter fragments sound clipped). Common abbreviations ("Mr.", "e.g.", "p.m.") and initials ("J. Smith") do not end a sentence.
+turn's first audio then waits for a clause, not a sentence; shorter fragments sound clipped).
+Common abbreviations ("Mr.", "e.g.", "p.m.") and initials ("J. Smith") do not end a sentence.
 
 `PhraseSplitter` works incrementally (text arriving from a language model, token by token);
 `split_phrases` is the same on a whole text: feeding a text in any pieces gives the same phrases.
