@@ -132,8 +132,10 @@ class Session:
         return sent[voiced[0] // n], sent[voiced[-1] // n]
 
 
-async def run(url: str, speech: list[np.ndarray], seed: int) -> dict[str, list[float]]:
-    """One conversation, a fresh session: one turn per sentence in `speech`, barge-in times drawn from `seed`."""
+async def run(url: str, speech: list[np.ndarray], seed: int, turn_detection: dict | None = None
+              ) -> dict[str, list[float]]:
+    """One conversation, a fresh session: one turn per sentence in `speech`, barge-in times drawn from `seed`;
+    `turn_detection` (else the server's default server_vad) goes into its session.update."""
     from websockets.asyncio.client import connect
 
     rng = np.random.default_rng(seed)
@@ -142,8 +144,10 @@ async def run(url: str, speech: list[np.ndarray], seed: int) -> dict[str, list[f
     ws_url = url.replace("http://", "ws://").rstrip("/") + f"/v1/realtime?model={MODEL}"
     async with connect(ws_url, max_size=None) as ws:
         s = Session(ws)
-        await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime",
-                                                                         "output_modalities": ["audio"]}}))
+        session = {"type": "realtime", "output_modalities": ["audio"]}
+        if turn_detection is not None:
+            session["audio"] = {"input": {"turn_detection": turn_detection}}
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
         onsets: list[float] = []  # when each turn's speech started to be sent
         ends: list[float] = []
         replies: list[str] = []
@@ -380,15 +384,15 @@ def report_medians(summaries: list[dict], rates: list[float | None], loads: list
             "client_ttfa_p50_ms": rounded(of("e2e", 0), 1), "speculation_hit_rate": rounded(median(rates), 3)}
 
 
-def bench(url: str, turns: int, runs: int, seed: int) -> dict[str, float | None]:
+def bench(url: str, turns: int, runs: int, seed: int, turn_detection: dict | None) -> dict[str, float | None]:
     """The warm-up, then `runs` measured conversations, each reported; returns the medians."""
     speech = [speak(line) for line in sentences(turns, seed)]
     print(f"warm-up: {WARMUP_TURNS} turns (not reported)")
-    asyncio.run(run(url, speech[:WARMUP_TURNS], seed))
+    asyncio.run(run(url, speech[:WARMUP_TURNS], seed, turn_detection))
     summaries, rates, loads, cancelled = [], [], [], 0
     for k in range(runs):
         before = Scrape.get(url)
-        results = asyncio.run(run(url, speech, seed + k))
+        results = asyncio.run(run(url, speech, seed + k, turn_detection))
         diff = Scrape.get(url) - before
         print(f"run {k + 1}/{runs}")
         summaries.append(report(results, turns))
@@ -405,6 +409,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3, help="measured conversations; medians over them")
     parser.add_argument("--seed", type=int, default=0, help="sentences and barge-in times")
+    parser.add_argument("--turn-detection", type=json.loads, default=None, metavar="JSON",
+                        help='the sessions\' turn_detection, e.g. \'{"type": "semantic_vad", "eagerness": "high"}\' '
+                             "(default: the server's server_vad)")
     args = parser.parse_args()
     if shutil.which("espeak-ng") is None:
         sys.exit("espeak-ng is needed for the scripted speech (apt-get install espeak-ng)")
@@ -419,8 +426,9 @@ def main() -> None:
             proc, url = start_server(Path(tmp))
         try:
             print(f"realtime voice benchmark: {args.runs} runs of {args.turns} turns against {url}, "
-                  f"{CHUNK_MS} ms chunks at real time")
-            medians = bench(url, args.turns, args.runs, args.seed)
+                  f"{CHUNK_MS} ms chunks at real time, turn detection "
+                  f"{json.dumps(args.turn_detection) if args.turn_detection else 'the default server_vad'}")
+            medians = bench(url, args.turns, args.runs, args.seed, args.turn_detection)
             print(json.dumps(medians))
         finally:
             if proc is not None:
