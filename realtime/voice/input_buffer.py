@@ -83,8 +83,8 @@ class InputBufferControl:
             return
         await self.emit({"type": "input_audio_buffer.speech_stopped",
                          "audio_end_ms": vad_event.sample * 1000 // SAMPLE_RATE, "item_id": item_id})
-        self.turn_ended(item_id)  # a speculation on this utterance may be adopted (speculation.py)
         respond = self.config.turn_detection.create_response and self.response is None
+        self.turn_ended(item_id, respond)  # a speculation on this utterance may be adopted (speculation.py)
         claim = await self._commit_item(item_id, respond)  # the response takes the final decode into its graph
         if respond and self.response is None:
             await self._start_response(self._default_params(), now, claim)

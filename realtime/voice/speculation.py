@@ -120,11 +120,11 @@ class SpeculationControl:
                                                           or self.input.paused_upto != spec.upto):
             self._discard_speculation(spec)
 
-    def turn_ended(self, item_id: str) -> None:
-        """speech_stopped for `item_id`: the response about to start may adopt its speculation."""
+    def turn_ended(self, item_id: str, respond: bool) -> None:
+        """speech_stopped for `item_id`: the response about to start (`respond`) may adopt its speculation."""
         spec = self.speculation
         if spec is not None:
-            if spec.item_id == item_id and spec.epoch == self.epoch:
+            if respond and spec.item_id == item_id and spec.epoch == self.epoch:
                 spec.turn_ended = True
             else:
                 self._discard_speculation(spec)
