@@ -63,6 +63,11 @@ def speculations(engine, outcome: str) -> float:
                                                     {"model": "voice", "outcome": outcome}) or 0.0
 
 
+def finals(engine, source: str) -> float:
+    return engine.metrics.registry.get_sample_value("mmserve_realtime_voice_final_transcripts_total",
+                                                    {"model": "voice", "source": source}) or 0.0
+
+
 def replies(c: Collector) -> list[tuple[str, str, bool]]:
     """Per response, in order: its transcript, the user's transcript it answered, whether it was speculated."""
     users = [e["transcript"] for e in c.of("conversation.item.input_audio_transcription.completed")]
@@ -104,8 +109,10 @@ def test_speculated_replies_equal_the_turns_own_over_twenty_turns(engine):
         return c
 
     before = {k: speculations(engine, k) for k in ("started", "kept", "discarded")}
+    early = finals(engine, "early")
     with_spec = asyncio.run(conversation(True))
     counts = {k: speculations(engine, k) - before[k] for k in before}
+    assert finals(engine, "early") - early == 20  # every final was the pause's decode
     without = asyncio.run(conversation(False))
     assert counts == {"started": 20, "kept": 20, "discarded": 0}
     a, b = replies(with_spec), replies(without)

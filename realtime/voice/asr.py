@@ -113,8 +113,10 @@ class TranscriptSink:
 
 
 class AsrLane:
-    def __init__(self, make_transcriber: Callable[[], IncrementalTranscriber], sink: TranscriptSink):
+    def __init__(self, make_transcriber: Callable[[], IncrementalTranscriber], sink: TranscriptSink,
+                 count_final: Callable[[str], None] = lambda source: None):
         self.make_transcriber = make_transcriber
+        self.count_final = count_final  # where an endpoint's final came from: "early", "graph" or "lane"
         self.transcriber = make_transcriber()  # the utterance in progress
         self.sink = sink
         self.generation = 0
@@ -251,6 +253,7 @@ class AsrLane:
                 if decoded:
                     if (claim := self._claims.pop(op.item_id, None)) is not None:
                         claim.resolve(None)  # decoded already: nothing to hand over
+                    self.count_final("early")
                     await self._finish(op.item_id, early.text)
                 else:
                     await self._finish(op.item_id, await self._final_text(op.item_id, transcriber, utterance.request))
@@ -279,7 +282,9 @@ class AsrLane:
                     handover.give_back(None)
                     raise
                 if text is not None:
+                    self.count_final("graph")
                     return text
+        self.count_final("lane")
         return await transcriber.decode(request)
 
     async def _early_final(self, item_id: str, upto: int) -> None:

@@ -26,6 +26,10 @@ class VoiceMetrics:
         self.speculations = Counter("mmserve_realtime_voice_speculations_total", "Responses started while the "
                                     "speaker paused, by outcome (started; kept: adopted at the turn's end; "
                                     "discarded)", ["model", "outcome"], registry=r)
+        self.finals = Counter("mmserve_realtime_voice_final_transcripts_total", "Final transcripts at the end of "
+                              "a turn, by where they were decoded (early: the pause's early final, no decode "
+                              "after the turn ended; graph: the response's asr node; lane: the session's ASR "
+                              "lane)", ["model", "source"], registry=r)
         self.interrupt = Histogram("mmserve_realtime_voice_interruption_to_silence_seconds", "Barge-in (or "
                                    "cancel) seen to the last audio of the cancelled response sent",
                                    ["model"], buckets=TIME_BUCKETS, registry=r)

@@ -84,7 +84,8 @@ class VoiceSession(SessionControl, InputBufferControl, ItemControl, ResponseCont
             omni = engine.chat_model(spec.omni)
             self.asr, self.max_heard = HeardAudioLane(omni.max_audio_s(engine.config.media)), omni.vlm.max_audios
         else:
-            self.asr, self.max_heard = AsrLane(self._transcriber, self), 0
+            count = lambda source: self.metrics.finals.labels(model=spec.name, source=source).inc()  # noqa: E731
+            self.asr, self.max_heard = AsrLane(self._transcriber, self, count), 0
         self.input = VoiceInput(self.asr, vad, min_speech_ms=limits.min_speech_ms,
                                 early_final_ms=limits.early_final_ms)
         self.input.configure(self.config.input_format, self.config.turn_detection)
