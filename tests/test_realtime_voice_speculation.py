@@ -15,8 +15,8 @@ import pytest
 
 from pipelines.config import VoiceSessionConfig
 from realtime.sessions import Journal, Outbox
-from realtime.voice.protocol import EAGERNESS
 from realtime.voice.session import VoiceSession
+from realtime.voice.turn_detection import EAGERNESS
 from realtime.voice.vad import EnergyModel, TurnDetector, VadLoader, VadParams
 from tests.test_realtime_voice_support import (
     Collector,

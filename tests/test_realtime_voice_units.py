@@ -14,7 +14,6 @@ from realtime.voice.items import Conversation, Item, Phrase, PlaybackClock
 from realtime.voice.protocol import (
     ProtocolError,
     SessionConfig,
-    TurnDetection,
     apply_session_update,
     is_beta_session,
     parse_client_event,
@@ -22,6 +21,7 @@ from realtime.voice.protocol import (
     parse_response_params,
     session_object,
 )
+from realtime.voice.turn_detection import TurnDetection
 from realtime.voice.vad import EnergyModel, TurnDetector, VadLoader, VadParams, silero_file
 from tests.test_realtime_voice_support import ESPEAK, silence, speech, voiced
 

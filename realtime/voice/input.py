@@ -24,7 +24,8 @@ from realtime.voice.asr import AsrLane
 from realtime.voice.audio_codec import PCM16, AudioFormat, StreamResampler
 from realtime.voice.heard_audio import HeardAudioLane
 from realtime.voice.items import new_id
-from realtime.voice.protocol import ProtocolError, TurnDetection
+from realtime.voice.protocol import ProtocolError
+from realtime.voice.turn_detection import TurnDetection
 from realtime.voice.vad import SAMPLE_RATE, WINDOW, TurnDetector, VadEvent, VadLoader, VadParams
 
 MIN_COMMIT_MS = 100  # OpenAI refuses to commit less

@@ -14,7 +14,6 @@ with an `error` event naming it (and the client's `event_id`) and carries on.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,6 +21,8 @@ from pipelines.image_request import RequestError
 from pipelines.tools import Tools
 from realtime.sessions import ProtocolError  # noqa: F401  (raised here; importers take it from this module too)
 from realtime.voice.audio_codec import FORMATS, GA_FORMATS, PCM16, AudioFormat
+from realtime.voice.fields import check_number, check_optional_text, check_text
+from realtime.voice.turn_detection import TurnDetection, parse_turn_detection
 
 CLIENT_EVENTS = frozenset({
     "session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
@@ -51,37 +52,6 @@ BETA_NAMES = {  # GA name -> beta name (the rest are the same in both)
     "response.output_text.done": "response.text.done",
 }
 BETA_CONTENT = {"output_audio": "audio", "output_text": "text"}
-
-
-# semantic_vad's eagerness -> (silence mid-phrase, silence after a sentence), ms: the adaptive end of turn
-EAGERNESS = {"low": (2000, 600), "medium": (1200, 300), "auto": (1200, 300), "high": (800, 150)}
-
-
-@dataclass(frozen=True)
-class TurnDetection:
-    """`server_vad` as OpenAI defines it (None in SessionConfig: the client commits turns itself), or `semantic_vad`
-    mapped onto it: the adaptive end of turn with the silences of its `eagerness` (EAGERNESS)."""
-
-    threshold: float = 0.5  # speech probability a 32 ms window must reach
-    prefix_padding_ms: int = 300  # audio kept before the detected start
-    silence_duration_ms: int = 500  # silence that ends the turn (with sentence_silence_ms: mid-phrase)
-    create_response: bool = True  # a response starts when the turn ends
-    interrupt_response: bool = True  # speech during a response cancels it (barge-in)
-    idle_timeout_ms: int | None = None  # a response starts by itself after this much silence past the last one
-    sentence_silence_ms: int | None = None  # extension, opt-in: silence that ends a turn whose transcript ends a
-    # sentence (vad.py: the adaptive end of turn)
-    eagerness: str | None = None  # semantic_vad: what it was asked for (None: server_vad)
-
-    def wire(self) -> dict[str, Any]:
-        if self.eagerness is not None:
-            return {"type": "semantic_vad", "eagerness": self.eagerness, "create_response": self.create_response,
-                    "interrupt_response": self.interrupt_response}
-        wire = {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
-                "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
-                "interrupt_response": self.interrupt_response, "idle_timeout_ms": self.idle_timeout_ms}
-        if self.sentence_silence_ms is not None:
-            wire["sentence_silence_ms"] = self.sentence_silence_ms
-        return wire
 
 
 @dataclass(frozen=True)
@@ -175,7 +145,7 @@ def apply_session_update(config: SessionConfig, session: Any, *, model: str, voi
     if TOOL_KEYS & set(session):
         values["tools"], values["tool_choice"] = parse_tools(session, config, "session", tool_choices)
     if "instructions" in session:
-        values["instructions"] = _text(session["instructions"], "session.instructions", MAX_INSTRUCTIONS_CHARS)
+        values["instructions"] = check_text(session["instructions"], "session.instructions", MAX_INSTRUCTIONS_CHARS)
     for key in ("output_modalities", "modalities"):
         if key in session:
             values["output_modalities"] = modalities(session[key], f"session.{key}")
@@ -183,7 +153,7 @@ def apply_session_update(config: SessionConfig, session: Any, *, model: str, voi
         if key in session:
             values["max_output_tokens"] = max_tokens(session[key], f"session.{key}", max_tokens_cap)
     if "temperature" in session:
-        values["temperature"] = _number(session["temperature"], "session.temperature", 0.0, 2.0)
+        values["temperature"] = check_number(session["temperature"], "session.temperature", 0.0, 2.0)
     audio = session.get("audio", {})
     if not isinstance(audio, dict):
         raise ProtocolError("invalid_value", "session.audio must be an object", param="session.audio")
@@ -202,12 +172,12 @@ def apply_session_update(config: SessionConfig, session: Any, *, model: str, voi
     for value, where in ((inp.get("turn_detection", ...), "session.audio.input.turn_detection"),
                          (session.get("turn_detection", ...), "session.turn_detection")):
         if value is not ...:
-            values["turn_detection"] = turn_detection(value, config.turn_detection, where)
+            values["turn_detection"] = parse_turn_detection(value, config.turn_detection, where)
     for value, where in ((inp.get("transcription", ...), "session.audio.input.transcription"),
                          (session.get("input_audio_transcription", ...), "session.input_audio_transcription")):
         if isinstance(value, dict):
-            values["transcription_language"] = _optional_text(value.get("language"), f"{where}.language", 16)
-            values["transcription_prompt"] = _optional_text(value.get("prompt"), f"{where}.prompt", 1024)
+            values["transcription_language"] = check_optional_text(value.get("language"), f"{where}.language", 16)
+            values["transcription_prompt"] = check_optional_text(value.get("prompt"), f"{where}.prompt", 1024)
         elif value is not ... and value is not None:
             raise ProtocolError("invalid_value", f"{where} must be an object or null", param=where)
     for value, where in ((out.get("voice", ...), "session.audio.output.voice"),
@@ -224,7 +194,7 @@ def apply_session_update(config: SessionConfig, session: Any, *, model: str, voi
     for value, where in ((out.get("speed", ...), "session.audio.output.speed"),
                          (session.get("speed", ...), "session.speed")):
         if value is not ...:
-            values["speed"] = _number(value, where, 0.25, 1.5)
+            values["speed"] = check_number(value, where, 0.25, 1.5)
     return replace(config, **values)
 
 
@@ -275,10 +245,10 @@ def parse_response_params(response: Any, config: SessionConfig, max_tokens_cap: 
         items = tuple(parse_item(item, f"response.input[{i}]", allow_audio=False) for i, item in enumerate(items))
     instructions = config.instructions
     if "instructions" in response:
-        instructions = _text(response["instructions"], "response.instructions", MAX_INSTRUCTIONS_CHARS)
+        instructions = check_text(response["instructions"], "response.instructions", MAX_INSTRUCTIONS_CHARS)
     temperature = config.temperature
     if "temperature" in response:
-        temperature = _number(response["temperature"], "response.temperature", 0.0, 2.0)
+        temperature = check_number(response["temperature"], "response.temperature", 0.0, 2.0)
     return ResponseParams(mods, instructions, tokens, temperature, conversation, metadata, items, tools)
 
 
@@ -349,7 +319,7 @@ def parse_function_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         raise ProtocolError("invalid_value", f"{where}.id must be a string of 1..64 characters", param=f"{where}.id")
     spec: dict[str, Any] = {"id": item_id, "type": kind, "name": "", "arguments": "", "output": ""}
     for key in fields:
-        spec[key] = _text(item.get(key), f"{where}.{key}", 64 if key in ("call_id", "name") else MAX_TEXT_CHARS)
+        spec[key] = check_text(item.get(key), f"{where}.{key}", 64 if key in ("call_id", "name") else MAX_TEXT_CHARS)
     if not spec["call_id"]:
         raise ProtocolError("invalid_value", f"{where}.call_id must not be empty", param=f"{where}.call_id")
     return spec
@@ -379,9 +349,9 @@ def parse_item(item: Any, where: str, *, allow_audio: bool = True) -> dict[str, 
         p = f"{where}.content[{i}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "text", "output_text"):
-            texts.append(_text(part.get("text"), f"{p}.text", MAX_TEXT_CHARS))
+            texts.append(check_text(part.get("text"), f"{p}.text", MAX_TEXT_CHARS))
         elif kind in ("audio", "output_audio") or (kind == "input_audio" and part.get("audio") is None):
-            texts.append(_text(part.get("transcript") or "", f"{p}.transcript", MAX_TEXT_CHARS))
+            texts.append(check_text(part.get("transcript") or "", f"{p}.transcript", MAX_TEXT_CHARS))
         elif kind == "input_audio" and allow_audio and role == "user":
             if not isinstance(part.get("audio"), str) or audio is not None:
                 raise ProtocolError("invalid_value", f"{p}.audio must be base64 audio (one audio part per item)",
@@ -420,53 +390,6 @@ def audio_format(value: Any, where: str) -> AudioFormat:
                                          f"{list(GA_FORMATS)}}}", param=where)
 
 
-def turn_detection(value: Any, current: TurnDetection | None, where: str) -> TurnDetection | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ProtocolError("invalid_value", f"{where} must be an object or null", param=where)
-    kind = value.get("type", "server_vad" if current is None or current.eagerness is None else "semantic_vad")
-    if kind not in ("server_vad", "semantic_vad"):
-        raise ProtocolError("unsupported_value", f"{where}.type {kind!r} is not supported; use 'server_vad', "
-                                                 "'semantic_vad' or null (the client commits turns)",
-                            param=f"{where}.type")
-    semantic = kind == "semantic_vad"
-    known = {"type", "create_response", "interrupt_response"} | ({"eagerness"} if semantic else {
-        "threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms", "sentence_silence_ms"})
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ProtocolError("unknown_parameter", f"unknown {where} parameter(s) {unknown} for type {kind!r}",
-                            param=f"{where}.{unknown[0]}")
-    same_kind = current is not None and (current.eagerness is not None) == semantic
-    base = current if same_kind else TurnDetection()
-    values: dict[str, Any] = {}
-    for key in ("create_response", "interrupt_response"):
-        if key in value:
-            if not isinstance(value[key], bool):
-                raise ProtocolError("invalid_value", f"{where}.{key} must be true or false", param=f"{where}.{key}")
-            values[key] = value[key]
-    if semantic:
-        eagerness = value.get("eagerness", base.eagerness or "auto")
-        if eagerness not in EAGERNESS:
-            raise ProtocolError("invalid_value", f"{where}.eagerness must be one of {list(EAGERNESS)}",
-                                param=f"{where}.eagerness")
-        phrase, sentence = EAGERNESS[eagerness]
-        return replace(base, **values, eagerness=eagerness, silence_duration_ms=phrase, sentence_silence_ms=sentence,
-                       idle_timeout_ms=None)
-    if "threshold" in value:
-        values["threshold"] = _number(value["threshold"], f"{where}.threshold", 0.0, 1.0)
-    for key, high in (("prefix_padding_ms", 5000), ("silence_duration_ms", 10000)):
-        if key in value:
-            values[key] = _integer(value[key], f"{where}.{key}", 0, high)
-    if "idle_timeout_ms" in value:
-        v = value["idle_timeout_ms"]
-        values["idle_timeout_ms"] = None if v is None else _integer(v, f"{where}.idle_timeout_ms", 5000, 30000)
-    if "sentence_silence_ms" in value:
-        v = value["sentence_silence_ms"]
-        values["sentence_silence_ms"] = None if v is None else _integer(v, f"{where}.sentence_silence_ms", 0, 10000)
-    return replace(base, **values)
-
-
 def session_object(config: SessionConfig, *, session_id: str, model: str) -> dict[str, Any]:
     """The effective configuration, as `session.created` / `session.updated` carry it (GA or beta shape)."""
     td = config.turn_detection.wire() if config.turn_detection is not None else None
@@ -497,33 +420,3 @@ def event_name(name: str, beta: bool) -> str:
 
 def content_type(kind: str, beta: bool) -> str:
     return BETA_CONTENT.get(kind, kind) if beta else kind
-
-
-# -- field checks -------------------------------------------------------------------------------------------
-
-
-def _text(value: Any, where: str, limit: int) -> str:
-    if not isinstance(value, str):
-        raise ProtocolError("invalid_value", f"{where} must be a string", param=where)
-    if len(value) > limit:
-        raise ProtocolError("string_above_max_length", f"{where} is {len(value)} characters; the limit is {limit}",
-                            param=where)
-    return value
-
-
-def _optional_text(value: Any, where: str, limit: int) -> str | None:
-    return None if value is None else _text(value, where, limit)
-
-
-def _number(value: Any, where: str, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise ProtocolError("invalid_value", f"{where} must be a number in [{low}, {high}]; got {value!r}", param=where)
-    return float(value)
-
-
-def _integer(value: Any, where: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ProtocolError("invalid_value", f"{where} must be an integer in [{low}, {high}]; got {value!r}",
-                            param=where)
-    return value
