@@ -86,6 +86,16 @@ def split_phrases(text: str, limits: PhraseLimits = PhraseLimits()) -> list[str]
     return splitter.feed(text) + splitter.flush()
 
 
+def ends_sentence(text: str) -> bool:
+    """Whether `text` ends where the splitter would end a sentence (terminal punctuation, not an abbreviation)."""
+    text = text.rstrip()
+    last = None
+    for last in _SENTENCE_END.finditer(text + " "):
+        pass
+    return last is not None and last.end() == len(text) and not (last.group().startswith(".")
+                                                                  and _is_abbreviation(text, last.start()))
+
+
 def _sentence_end(text: str, limit: int) -> int | None:
     """Index just after the first sentence end within `limit` characters, or None."""
     for m in _SENTENCE_END.finditer(text, 0, min(len(text), limit + 1)):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipelines.image_request import RequestError
-from pipelines.phrases import PhraseLimits, PhraseSplitter, split_phrases
+from pipelines.phrases import PhraseLimits, PhraseSplitter, ends_sentence, split_phrases
 from pipelines.tts import SpeechRequest
 from serve.errors import http_status
 from stages.events import EventKind, StageError
@@ -84,6 +84,8 @@ def test_the_first_phrase_may_end_at_a_clause_once_it_is_long_enough():
                                            "Then we left, quickly."]  # "Well," is too short; later ones: sentences
     assert split_phrases("Yes. Of course, gladly.", limits) == ["Yes.", "Of course, gladly."]  # a sentence first
     assert split_phrases(text) == ["Well, the red car is parked outside, right by the door.", "Then we left, quickly."]
+    assert [ends_sentence(t) for t in ("The door.", "the door", "Is it 'ok?' ", "Ask Mr.", "a, b,")] == \
+        [True, False, True, False, False]  # the splitter's sentence end (the adaptive end of turn reads it)
 
 
 def test_feeding_pieces_gives_the_same_phrases_as_the_whole_text():

@@ -299,8 +299,7 @@ class AsrLane:
             return
         self._early = _EarlyFinal(item_id, transcriber, transcriber.samples, text)
         await self._partial(item_id, text)
-        transcript = " ".join(p for p in self._parts.get(item_id, []) + [text.strip()] if p)
-        await self.sink.transcript_stable(item_id, transcript, upto)
+        await self.sink.transcript_stable(item_id, self._transcript(item_id, text), upto)
 
     async def _feed_partial(self, samples: np.ndarray) -> list:
         """Feed with a partial decode, aborted when an endpoint or a pause is queued meanwhile: the final decode
@@ -320,7 +319,7 @@ class AsrLane:
         return await feed
 
     async def _partial(self, item_id: str, text: str) -> None:
-        words = " ".join(self._parts.get(item_id, []) + [text.strip()]).split()[:-1]  # the last word may be cut
+        words = self._transcript(item_id, text).split()[:-1]  # the last word may be cut
         sent = self._sent.setdefault(item_id, [])
         if len(words) <= len(sent) or [_norm(w) for w in words[:len(sent)]] != [_norm(w) for w in sent]:
             return
@@ -329,7 +328,8 @@ class AsrLane:
         await self.sink.transcript_delta(item_id, (" " if len(sent) > len(new) else "") + " ".join(new))
 
     async def _finish(self, item_id: str, text: str) -> None:
-        transcript = " ".join(p for p in self._parts.pop(item_id, []) + [text.strip()] if p)
+        transcript = self._transcript(item_id, text)
+        self._parts.pop(item_id, None)
         sent = self._sent.pop(item_id, [])
         words = transcript.split()
         if len(words) > len(sent) and [_norm(w) for w in words[:len(sent)]] == [_norm(w) for w in sent]:
@@ -339,6 +339,10 @@ class AsrLane:
         if not future.done():
             future.set_result(transcript)
         await self.sink.transcript_done(item_id, transcript, self._audio_s.pop(item_id, 0.0))
+
+    def _transcript(self, item_id: str, text: str) -> str:
+        """The item's transcript with `text` as its last utterance (after those cut at the window's end)."""
+        return " ".join(p for p in self._parts.get(item_id, []) + [text.strip()] if p)
 
     async def _fail(self, item_id: str, exc: Exception) -> None:
         if (claim := self._claims.pop(item_id, None)) is not None:

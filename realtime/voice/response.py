@@ -237,8 +237,7 @@ class ResponseRunner:
         s, r = self.s, self.r
         r.timings.llm_submit = s.clock()
         if s.spec.omni:
-            params = SamplingParams(temperature=r.params.temperature, max_tokens=r.params.max_output_tokens,
-                                    seed=s.spec.seed)
+            params = turn_sampling(s, r.params)
             speech = SpeechOutput(r.voice, secrets.randbits(31) if s.spec.seed is None else s.spec.seed, stream=True)
             chat = ChatRequest(messages=messages, params=params, tenant=s.tenant, speech=speech if r.audio else None)
             handle = await self._submit(s.engine.asubmit_chat(s.spec.omni, chat, fence=self.current))
@@ -341,10 +340,15 @@ class ResponseRunner:
             await asyncio.sleep(over / 1000)
 
 
+def turn_sampling(s: VoiceSession, params: ResponseParams) -> SamplingParams:
+    """A response's sampling: its temperature and token cap, the voice's seed."""
+    return SamplingParams(temperature=params.temperature, max_tokens=params.max_output_tokens, seed=s.spec.seed)
+
+
 def voice_turn_request(s: VoiceSession, params: ResponseParams, messages: list[dict[str, Any]],
                        heard: HeardSpeech | None = None, *, voice: str, speed: float, rate: int) -> VoiceTurnRequest:
     """A cascade's turn graph request for `params` (a response's, or a speculation's: equal requests are one turn)."""
-    sampling = SamplingParams(temperature=params.temperature, max_tokens=params.max_output_tokens, seed=s.spec.seed)
+    sampling = turn_sampling(s, params)
     tts = SpeechRequest("", voice=voice, speed=speed, sample_rate=rate, tenant=s.tenant) \
         if "audio" in params.output_modalities else None
     tools = params.tools if params.calls else None

@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipelines.phrases import ends_sentence
 from pipelines.voice_turn import VoiceTurnRequest
 from realtime.voice.response import voice_turn_request
 from stages.events import StageError
 from stages.request_state import RequestHandle
 
 log = logging.getLogger(__name__)
-
-SENTENCE_END = re.compile(r"[.!?。！？]['\")\]]*$")
-
 
 @dataclass(frozen=True)
 class StableTranscript:
@@ -63,10 +60,6 @@ class Speculation:
         if self.owner is not None:
             return self.owner()
         return self.alive and self.epoch == self.session_epoch()
-
-
-def ends_sentence(text: str) -> bool:
-    return bool(SENTENCE_END.search(text.strip()))
 
 
 class SpeculationControl:
