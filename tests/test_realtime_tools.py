@@ -216,32 +216,10 @@ def test_auto_speaks_a_reply_only_once_it_is_known_not_to_be_a_call(engine):
 
 @pytest.fixture(scope="module")
 def server(voice_models, tmp_path_factory):
-    from tests.test_realtime_voice_support import REAL_ASR
+    from tests.test_realtime_voice_support import voice_server_config
     from tests.test_serve_support import Server
 
-    asr = "whisper-tiny-en" if REAL_ASR else "whisper-demo"
-    srv = Server(tmp_path_factory.mktemp("tools-voice-server"), f"""
-[[models]]
-name = "{asr}"
-path = "{voice_models['asr']}"
-[[models]]
-name = "llama-demo"
-path = "{voice_models['llama']}"
-family = "causal-lm"
-[models.llm]
-kv_cache_mb = 8
-[[models]]
-name = "vits-demo"
-path = "{voice_models['vits']}"
-
-[[voices]]
-name = "voice-demo"
-asr = "{asr}"
-chat = "llama-demo"
-tts = "vits-demo"
-max_output_tokens = 96
-seed = 0
-""")
+    srv = Server(tmp_path_factory.mktemp("tools-voice-server"), voice_server_config(voice_models, max_output_tokens=96))
     yield srv
     srv.stop()
 

@@ -15,13 +15,13 @@ import pytest
 from websockets.asyncio.client import connect
 
 from tests.test_realtime_voice_support import (
-    REAL_ASR,
     append_event,
     needs_speech,
     silence,
     speech,
     stream,
     voice_models,
+    voice_server_config,
 )
 from tests.test_serve_support import Server, metric
 
@@ -31,34 +31,12 @@ TIMEOUT_S = 180.0
 
 @pytest.fixture(scope="module")
 def server(voice_models, tmp_path_factory):
-    asr = "whisper-tiny-en" if REAL_ASR else "whisper-demo"
-    config = f"""
+    config = voice_server_config(voice_models, max_output_tokens=24, head="""
 [realtime]
 max_voice_sessions = 8
 [realtime.voice]
 max_input_age_ms = 60000
-
-[[models]]
-name = "{asr}"
-path = "{voice_models['asr']}"
-[[models]]
-name = "llama-demo"
-path = "{voice_models['llama']}"
-family = "causal-lm"
-[models.llm]
-kv_cache_mb = 8
-[[models]]
-name = "vits-demo"
-path = "{voice_models['vits']}"
-
-[[voices]]
-name = "voice-demo"
-asr = "{asr}"
-chat = "llama-demo"
-tts = "vits-demo"
-max_output_tokens = 24
-seed = 0
-"""
+""")
     srv = Server(tmp_path_factory.mktemp("voice-server"), config)
     yield srv
     srv.stop()

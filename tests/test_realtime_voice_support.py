@@ -39,6 +39,33 @@ def voice_models(tmp_path_factory) -> dict[str, str]:
             "vits": str(build_demo_model("vits", root / "vits"))}
 
 
+def voice_server_config(paths: dict[str, str], *, max_output_tokens: int, head: str = "") -> str:
+    """An `mmserve serve` config serving the demo voice cascade as "voice-demo" (`head`: sections before it)."""
+    asr = "whisper-tiny-en" if REAL_ASR else "whisper-demo"
+    return f"""{head}
+[[models]]
+name = "{asr}"
+path = "{paths['asr']}"
+[[models]]
+name = "llama-demo"
+path = "{paths['llama']}"
+family = "causal-lm"
+[models.llm]
+kv_cache_mb = 8
+[[models]]
+name = "vits-demo"
+path = "{paths['vits']}"
+
+[[voices]]
+name = "voice-demo"
+asr = "{asr}"
+chat = "llama-demo"
+tts = "vits-demo"
+max_output_tokens = {max_output_tokens}
+seed = 0
+"""
+
+
 def voice_engine(paths: dict[str, str], *, max_output_tokens: int = 24, realtime=None):
     """A started Engine serving asr / llama-demo / vits-demo and the voice model "voice"."""
     from pipelines.asr import ASR_FAMILY, AsrConfig
