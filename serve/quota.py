@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve.auth import tenant_for_key
 from serve.errors import error_body
 from serve.tenants import UNIT_LIMITS, Refusal, TenantLimiter, Tenants
-from stages.pool import submit_priority
+from stages.pool import submit_priority, submit_tenant
 
 EXEMPT = ("/v1/files/images/", "/v1/loras")  # signed image links (no key) and admin routes (the admin key)
 MULTIPART_MODEL_ROUTES = ("/v1/images/edits", "/v1/audio/transcriptions", "/v1/audio/translations")
@@ -84,6 +84,7 @@ class QuotaGate:
         self._count(tenant.name, "admitted")
         batch_line = Headers(scope=scope).get("host") == BATCH_HOST
         token = submit_priority.set(tenant.rank + int(batch_line))
+        tenant_token = submit_tenant.set(tenant.name)
         tokens = path in TOKEN_ROUTES
 
         async def send_with_headers(message: Message) -> None:
@@ -95,6 +96,7 @@ class QuotaGate:
             await self.app(scope, receive, send_with_headers)
         finally:
             submit_priority.reset(token)
+            submit_tenant.reset(tenant_token)
             limiter.release()
 
     def _limiter(self, scope: Scope) -> TenantLimiter | None:

@@ -5,10 +5,9 @@ is free takes the next item. Placed, each replica has its own stage object (its 
 and each item is routed to one replica when it is queued (stages/placement.py); its inputs move to that device
 when the replica takes it.
 
-Queues are ordered by priority with aging: a request's priority class (its rank, 0 first; `submit_priority` where
-it was submitted, which serve/quota.py sets to the tenant's) counts against the time its item has waited, one
-class per `priority_aging_s`, so a low class waits behind fresh high ones for a bounded time and never starves.
-Equal classes keep arrival order.
+Queues are ordered by priority with aging, and within a priority class the tenants take turns
+(stages/fair_queue.py): a request's class and tenant are `submit_priority` and `submit_tenant` where it was
+submitted (serve/quota.py sets them to the caller's tenant's). A loop stage's step takes its rows in the same turns.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import torch
 
 from stages.diffusion.memory import is_out_of_memory
 from stages.events import ErrorKind, EventKind, StageError
+from stages.fair_queue import NORMAL_PRIORITY, service_order, take_in_turns, tenant_of
 from stages.metrics import Metrics
 from stages.placement import Router, check_device, to_device
 from stages.replica_metrics import ReplicaMetrics
@@ -36,10 +36,10 @@ from stages.stage import LoopStage, Stage, WorkItem
 from stages.thread_budget import ThreadBudget, default_threads
 
 log = logging.getLogger(__name__)
-NORMAL_PRIORITY = 1  # the rank of requests submitted without one (serve/tenants.py: high 0, normal 1, low 2)
-# The priority rank of requests submitted from this context: read once, when the request's first item is queued
-# (the submitting caller's thread or task), and kept on the request for its later nodes.
+# The priority rank and the tenant of requests submitted from this context: read once, when the request's first item
+# is queued (the submitting caller's thread or task), and kept on the request for its later nodes.
 submit_priority: ContextVar[int] = ContextVar("submit_priority", default=NORMAL_PRIORITY)
+submit_tenant: ContextVar[str] = ContextVar("submit_tenant", default="")
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,7 @@ class StagePool:
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._cond = threading.Condition()
         self._active: dict[int, int] = {}  # worker index -> items in hand
+        self._serving: collections.Counter[str] = collections.Counter()  # tenant -> items taken, not yet done
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._calls = itertools.count()  # stage calls, numbered for traced items' batch ids (stages/tracing.py)
@@ -184,6 +185,7 @@ class StagePool:
         item.enqueued_at = time.monotonic()
         if not hasattr(item.request, "priority"):  # the first node of a request: in the submitter's context
             setattr(item.request, "priority", submit_priority.get())
+            setattr(item.request, "tenant", submit_tenant.get())
         with self._cond:
             if self.placed:
                 affinity = self.stage.affinity(item)
@@ -222,17 +224,32 @@ class StagePool:
     def _has_work(self, worker: int) -> bool:
         return any(self._for(worker, i) for i in self._queue)
 
+    def _in_order(self, worker: int):
+        """The worker's queued items in service order (stages/fair_queue.py); caller holds the lock."""
+        mine = [i for i in self._queue if self._for(worker, i)]
+        return service_order(mine, time.monotonic(), self.config.priority_aging_s, self._serving)
+
     def _popleft(self, worker: int) -> WorkItem:
-        """The worker's next item: the best priority after aging, the earliest among equals."""
-        now = time.monotonic()
-        item = min((i for i in self._queue if self._for(worker, i)), key=lambda i: self._rank(i, now))
-        self._queue.remove(item)
+        item = next(self._in_order(worker))
+        self._take(item)
         return item
 
-    def _rank(self, item: WorkItem, now: float) -> float:
-        """The item's priority class less one per `priority_aging_s` waited (lower is taken first)."""
-        waited = now - item.enqueued_at
-        return getattr(item.request, "priority", NORMAL_PRIORITY) - waited / self.config.priority_aging_s
+    def _take(self, item: WorkItem) -> None:
+        """The item leaves the queue for a worker: its tenant's share of the stage grows (caller holds the lock)."""
+        self._queue.remove(item)
+        if not item.in_service:  # a remote pool's item routed again (its replica was lost) counts once
+            item.in_service = True
+            self._serving[tenant_of(item)] += 1
+
+    def _leave(self, item: WorkItem) -> None:
+        """A finished or dropped item gives its tenant's share back."""
+        if item.in_service:
+            item.in_service = False
+            with self._cond:
+                tenant = tenant_of(item)
+                self._serving[tenant] -= 1
+                if not self._serving[tenant]:
+                    del self._serving[tenant]
 
     def _place(self, worker: int, items: list[WorkItem]) -> None:
         """Move the items' input tensors to this replica's device (a placed pool's edge)."""
@@ -342,7 +359,8 @@ class StagePool:
             for item in runnable:
                 groups.setdefault(stage.batch_key(item), []).append(item)
             key = min(groups, key=lambda k: turn.get(k, -1))
-            batch = groups[key][: min(self.config.max_batch_size, oom_caps.get(key, self.config.max_batch_size))]
+            batch = take_in_turns(groups[key], min(self.config.max_batch_size,
+                                                   oom_caps.get(key, self.config.max_batch_size)))
             batch = batch[: max(1, stage.fit(batch))]
             counter += 1
             turn[key] = counter
@@ -452,12 +470,11 @@ class StagePool:
 
     def _pop_matching(self, worker: int, key, limit: int) -> list[WorkItem]:
         taken: list[WorkItem] = []
-        now = time.monotonic()
-        for item in sorted(self._queue, key=lambda i: self._rank(i, now)):  # stable: equals keep arrival order
+        for item in self._in_order(worker):
             if len(taken) >= limit:
                 break
-            if self._for(worker, item) and self.stages[worker].batch_key(item) == key:
-                self._queue.remove(item)
+            if self.stages[worker].batch_key(item) == key:
+                self._take(item)
                 taken.append(item)
         return taken
 
@@ -473,12 +490,14 @@ class StagePool:
             self._cond.notify_all()
 
     def _finish(self, item: WorkItem, outputs: dict[str, Any]) -> None:
+        self._leave(item)
         item.release()
         if item.trace is not None:
             self._end_trace(item, None)
         self._on_done(item, outputs)
 
     def _drop(self, item: WorkItem, error: StageError | None) -> None:
+        self._leave(item)
         item.release()
         if item.trace is not None:
             self._end_trace(item, error)

@@ -30,6 +30,7 @@ class WorkItem:
     route: Callable[..., bool] | None = None  # where a piece's events go (they are put in piece order there)
     replica: int | None = None  # a placed pool's replica it was routed to; None: whichever replica is free
     oom_retried: bool = False  # loop stages: its step ran out of memory once and was run again
+    in_service: bool = False  # taken from its pool's queue and not yet finished or dropped (its tenant's share)
     trace: NodeTrace | None = None  # its stage span's facts while tracing is on (stages/tracing.py); None: off
 
     @property

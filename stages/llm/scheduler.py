@@ -1,7 +1,9 @@
 """Iteration-level scheduling: which sequences run this step, with how many tokens (policy only).
 
 Each step: running sequences first (one decode token each, or their next prefill chunk), then
-waiting ones FCFS while the sequence cap, the token budget and free blocks allow. Blocks are
+waiting ones while the sequence cap, the token budget and free blocks allow: FCFS within a tenant, and the
+tenant with the fewest running sequences first, so one tenant's backlog cannot hold another's request out of
+the batch for longer than the next free slot. Blocks are
 allocated when a sequence is picked, not when it is admitted (admission only checks that it
 can ever fit). When a running sequence cannot get a block, the most recently admitted running
 sequence is preempted by recompute: its blocks are freed and it waits at the front of the queue.
@@ -126,12 +128,12 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             budget -= n
 
-        # 2. waiting sequences, FCFS, while a slot, the budget and blocks allow (none after a preemption)
+        # 2. waiting sequences, tenants in turn, while a slot, the budget and blocks allow (none after a preemption)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if not self.blocks.can_allocate(seq.token_ids, seq.namespace):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.block_table = BlockTable(block_ids=[])
             self.blocks.allocate(seq.block_table, seq.token_ids, seq.namespace)
             seq.num_computed_tokens = seq.block_table.num_cached_tokens
@@ -153,6 +155,10 @@ class Scheduler:
                 self.blocks.mark_computed(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.namespace)
 
     # -- helpers --------------------------------------------------------------------------------
+    def _next_waiting(self) -> Sequence:
+        """The first waiting sequence of the tenant with the fewest running (the queue's first among equals)."""
+        running = collections.Counter(seq.tenant for seq in self.running)
+        return min(self.waiting, key=lambda seq: running[seq.tenant])  # min keeps the first of equals
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed, budget)
         if self.config.max_prefill_chunk is not None and seq.num_uncomputed > 1:

@@ -39,6 +39,7 @@ class Sequence:
     hidden_sent: int = 0  # of those, the ones its deltas have carried
     matcher: Any = None  # its grammar's matcher (params.response_format; stages/llm/grammar.py), fed every token
     lora: tuple = ()  # LoRA adapters and weights of its tokens (stages/lora.py); they are in `namespace` too
+    tenant: str = ""  # whose request: waiting sequences are admitted with the tenants in turns
 
     @property
     def token_ids(self) -> list[int]:

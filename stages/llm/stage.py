@@ -21,6 +21,7 @@ from typing import Any, Hashable
 import torch
 
 from stages.events import ErrorKind, EventKind, StageError
+from stages.fair_queue import tenant_of
 from stages.llm.blocks import BlockManager, BlockTable
 from stages.llm.detokenizer import OutputText
 from stages.llm.grammar import Constraint, Grammars
@@ -163,7 +164,8 @@ class LLMStage(LoopStage):
             except ValueError as e:
                 raise StageError("context_length_exceeded", str(e), param="messages", kind=ErrorKind.INVALID) from None
         n = req.params.n
-        seqs = [self._new_seq(req, prompt, index=k * n, generator=make_generator(req.params.seed))
+        seqs = [self._new_seq(req, prompt, index=k * n, generator=make_generator(req.params.seed),
+                              tenant=tenant_of(item))
                 for k, prompt in enumerate(req.prompts)]  # the same seed per prompt: as if each came alone
         for seq in seqs:
             self.scheduler.add(seq)
@@ -193,6 +195,8 @@ class LLMStage(LoopStage):
         usage = {"prompt_tokens": sum(len(s.prompt_ids) for s in firsts),
                  "completion_tokens": sum(len(s.output_ids) for s in seqs),
                  "cached_tokens": sum(s.num_cached_tokens for s in firsts)}
+        if item.trace is not None:
+            item.trace.cached_tokens = usage["cached_tokens"]
         return {"choices": choices, "usage": usage}
 
     # -- one engine iteration -----------------------------------------------------------------
@@ -311,14 +315,14 @@ class LLMStage(LoopStage):
 
     # -- sequences ----------------------------------------------------------------------------
     def _new_seq(self, req: GenerationRequest, prompt_ids: tuple[int, ...], index: int,
-                 generator: torch.Generator) -> Sequence:
+                 generator: torch.Generator, tenant: str) -> Sequence:
         seq_id = next(self._ids)
         # A sequence that keeps its hidden states computes every token: a namespace of its own, so no cached
         # prefix stands in for a prompt token whose state it needs.
         namespace = (*req.namespace, ("keep_hidden", seq_id)) if req.keep_hidden else req.namespace
         seq = Sequence(seq_id=seq_id, index=index, prompt_ids=list(prompt_ids), params=req.params,
                        namespace=namespace, generator=generator, arrival=time.monotonic(), media=req.media,
-                       mrope=req.mrope, hidden=[] if req.keep_hidden else None, lora=req.lora)
+                       mrope=req.mrope, hidden=[] if req.keep_hidden else None, lora=req.lora, tenant=tenant)
         seq.output = OutputText(self.tokenizer, prompt_ids, req.params.stop)
         if req.params.response_format is not None:
             seq.matcher = self.grammars.matcher(req.params.response_format)
@@ -331,7 +335,8 @@ class LLMStage(LoopStage):
         children = []
         for j in range(1, req.params.n):
             seed = None if req.params.seed is None else req.params.seed + j  # one stream per choice
-            child = self._new_seq(req, tuple(parent.prompt_ids), parent.index + j, make_generator(seed))
+            child = self._new_seq(req, tuple(parent.prompt_ids), parent.index + j, make_generator(seed),
+                                  tenant=parent.tenant)
             child.block_table = BlockTable(block_ids=[])
             self.blocks.fork(parent.block_table, child.block_table)
             child.num_computed_tokens = parent.num_computed_tokens
