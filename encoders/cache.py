@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import collections
 import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
@@ -33,6 +35,28 @@ class CacheStats:
     misses: int = 0
     evictions: int = 0
     bytes_held: int = 0
+
+
+@dataclass
+class Lookups:
+    """The claims one caller made, across caches: what a traced stage span reports as its cache hits."""
+
+    hits: int = 0  # a cached value, or one another caller was computing
+    misses: int = 0  # this caller computed it
+
+
+_lookups: ContextVar[Lookups | None] = ContextVar("cache_lookups", default=None)
+
+
+@contextmanager
+def counting_lookups() -> Iterator[Lookups]:
+    """Count the claims made in this context (every cache's)."""
+    tally = Lookups()
+    token = _lookups.set(tally)
+    try:
+        yield tally
+    finally:
+        _lookups.reset(token)
 
 
 class _Flight:
@@ -110,6 +134,12 @@ class EncoderCache:
                     self.stats.hits += 1  # served by the in-flight computation
                     kind = "wait"
                 held = self.stats.bytes_held
+        tally = _lookups.get()
+        if tally is not None:
+            if kind == "lead":
+                tally.misses += 1
+            else:
+                tally.hits += 1
         if kind == "hit":
             self._on_event(self.name, "hit", held)
             return Claim(key, "hit", value=value)

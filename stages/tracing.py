@@ -4,7 +4,8 @@ Off by default: no Tracing object exists, work items carry no NodeTrace, and the
 test each. On (`[server] tracing`): the HTTP request span (serve/tracing.py) is the parent of one span per graph
 node the request passes through, with its queue wait, run time, batch size and batch id (one id per stage call,
 shared by that call's items). A loop stage's item takes part in many calls (steps): its span has the run time of
-all of them, the largest batch, the first call's id and the number of steps.
+all of them, the largest batch, the first call's id and the number of steps. Stages that look things up in a cache
+add what they found: encoder caches' hits and misses (`cache_hit` when all hit), the llm's prefix-cached tokens.
 
 The spans go through the Tracing's own provider, never OpenTelemetry's global one (nothing changes at import).
 """
@@ -64,6 +65,14 @@ class NodeTrace:
     batch_size: int = 0  # the largest of those calls
     batch_id: str = ""  # the first of those calls
     calls: int = 0  # 1 for a batch stage; a loop stage's steps
+    cache_hits: int = 0  # its lookups in the prompt or encoder-output cache that found the value (or its flight)
+    cache_misses: int = 0  # ... and those it computed
+    cached_tokens: int | None = None  # the llm stage: prompt tokens its prefix cache served
+
+    def cache(self, hits: int, misses: int) -> None:
+        """Its stage looked values up for it in an encoder cache."""
+        self.cache_hits += hits
+        self.cache_misses += misses
 
     def ran(self, batch_id: str, batch_size: int, seconds: float) -> None:
         """It took part in one stage call."""
@@ -79,6 +88,11 @@ class NodeTrace:
             "mmserve.request_id": request_id, "mmserve.node": node, "mmserve.stage": stage,
             "mmserve.queue_wait_s": self.queue_wait_s, "mmserve.run_time_s": self.run_time_s,
             "mmserve.batch_size": self.batch_size, "mmserve.batch_id": self.batch_id, "mmserve.calls": self.calls}
+        if self.cache_hits or self.cache_misses:  # cache_hit: every lookup hit
+            attributes.update({"mmserve.cache_hit": not self.cache_misses, "mmserve.cache_hits": self.cache_hits,
+                               "mmserve.cache_misses": self.cache_misses})
+        if self.cached_tokens is not None:
+            attributes["mmserve.cached_tokens"] = self.cached_tokens
         span = self.tracer.start_span(node, context=self.parent, start_time=self.queued_ns, attributes=attributes)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error.code))

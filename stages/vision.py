@@ -49,6 +49,10 @@ class VisionEncodeStage(Stage):
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
         # 1. claim every item: a hit, a wait (on another worker, or on a leader in this batch) or the lead
         claims = [[self.cache.claim(task.key) for task in item.inputs[self.source]] for item in items]
+        for item, cs in zip(items, claims):
+            if item.trace is not None:
+                led = sum(c.kind == "lead" for c in cs)
+                item.trace.cache(hits=len(cs) - led, misses=led)
         leaders = {c.key: task for item, cs in zip(items, claims) for task, c in zip(item.inputs[self.source], cs)
                    if c.kind == "lead"}
         # 2. encode the leaders, one forward per bucket

@@ -55,6 +55,36 @@ def test_an_image_request_has_a_request_span_and_one_child_span_per_stage(engine
     assert children["text_encode"].attributes["mmserve.calls"] == 1
 
 
+def test_the_text_encode_span_says_whether_the_prompt_cache_hit(engine, tmp_path):
+    """A prompt's first request computes its embeddings (a miss), the same prompt again finds them (a hit)."""
+    tracing = Tracing.from_mode("memory")
+    assert tracing is not None
+    with TestClient(create_app(engine, data_dir=tmp_path, tracing=tracing)) as client:
+        for _ in range(2):
+            reply = client.post("/v1/images/generations", json={**IMAGE, "prompt": "a cache probe"})
+            assert reply.status_code == 200, reply.text
+    first, again = [s.attributes for s in tracing.exporter.get_finished_spans() if s.name == "text_encode"]
+    assert first["mmserve.cache_hit"] is False and first["mmserve.cache_misses"] >= 1
+    assert again["mmserve.cache_hit"] is True and again["mmserve.cache_misses"] == 0
+    assert again["mmserve.cache_hits"] == first["mmserve.cache_hits"] + first["mmserve.cache_misses"]
+    denoise = [s.attributes for s in tracing.exporter.get_finished_spans() if s.name == "denoise"]
+    assert all("mmserve.cache_hit" not in a for a in denoise)  # it looks nothing up
+
+
+def test_the_llm_span_counts_the_prefix_cached_tokens(tmp_path_factory, tmp_path):
+    from pipelines.chat import LLMConfig
+
+    tracing = Tracing.from_mode("memory")
+    assert tracing is not None
+    chat = {"model": "llama", "messages": [{"role": "user", "content": "tell me about the sea " * 4}], "max_tokens": 2}
+    with running_engine(demo_path(tmp_path_factory, "llama"), name="llama", llm=LLMConfig(kv_cache_mb=8)) as llama, \
+            TestClient(create_app(llama, data_dir=tmp_path, tracing=tracing)) as client:
+        for _ in range(2):
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    first, again = [s.attributes for s in tracing.exporter.get_finished_spans() if s.name == "llm"]
+    assert first["mmserve.cached_tokens"] == 0 and again["mmserve.cached_tokens"] > 0
+
+
 def test_tracing_off_exports_nothing(engine, tmp_path):
     tracing = Tracing.from_mode("memory")
     assert tracing is not None and Tracing.from_mode("off") is None

@@ -22,7 +22,7 @@ from typing import Any, Generic, Hashable, Iterable, TypeVar
 
 import torch
 
-from encoders.cache import EncoderCache
+from encoders.cache import EncoderCache, counting_lookups
 from pipelines.adapters import Adapters
 from pipelines.config import LoraSpec
 from pipelines.families.speedups import DenoiserSpeedups
@@ -302,8 +302,12 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
         for item in items:
             req: RequestT = item.inputs["request"]
             options = self.text_options(req)
-            prompt = self.cached_text(req.prompt, req.tenant, options, getattr(req, "lora", ()))
-            out.append({"cond": self.conditioning(prompt, self.negative(req, prompt, options), req)})
+            with counting_lookups() as lookups:
+                prompt = self.cached_text(req.prompt, req.tenant, options, getattr(req, "lora", ()))
+                negative = self.negative(req, prompt, options)
+            if item.trace is not None:
+                item.trace.cache(lookups.hits, lookups.misses)
+            out.append({"cond": self.conditioning(prompt, negative, req)})
         return out
 
     # -- denoise: each family's loop body (the DiffusionAdapter contract) ---------------------
