@@ -11,6 +11,9 @@ replace docs/playground-<tab>.png (the README's pictures), which a plain run lea
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
 import shutil
 import tomllib
@@ -64,9 +67,10 @@ max_images = 2
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def browser():
-    """Headless Debian chromium; a skip naming what is missing (under CI=true conftest turns it into a failure)."""
+@contextmanager
+def launch_chromium(*args: str):
+    """Headless Debian chromium with extra command-line `args` (a fake camera, say); a skip naming what is missing
+    (under CI=true conftest turns it into a failure)."""
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (`make test` installs Debian's chromium with apt-get)")
     try:
@@ -75,11 +79,18 @@ def browser():
         pytest.skip("playwright is not installed (`make test` installs the [test] extra)")
     with sync_playwright() as playwright:
         try:  # no sandbox: it needs user namespaces a container may lack, and the page is our own, on loopback
-            chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=TIMEOUT_MS)
+            chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", *args],
+                                                  timeout=TIMEOUT_MS)
         except Error as e:
             pytest.skip(f"chromium ({CHROMIUM}) does not start here: {e.message.splitlines()[0]}")
         yield chromium
         chromium.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with launch_chromium() as chromium:
+        yield chromium
 
 
 class Watched:
@@ -212,6 +223,72 @@ def test_images_cancel_ends_the_server_request(watched, server):
     assert page.is_enabled("#image-generate") and not page.is_enabled("#image-cancel")
 
 
+def record_forms(page) -> None:
+    """The page's fetch() keeps the FormData bodies it sends in window.forms, each part's bytes in base64
+    (the browser does not hand a multipart body with files to the request events)."""
+    page.evaluate("""() => {
+        window.forms = [];
+        const send = window.fetch;
+        window.fetch = async (url, init = {}) => {
+            if (init.body instanceof FormData) {
+                const parts = {};
+                for (const [name, value] of init.body.entries()) {
+                    const bytes = new Uint8Array(await new Response(value).arrayBuffer());
+                    parts[name] = btoa(String.fromCharCode(...bytes));
+                }
+                window.forms.push({url: String(url), parts});
+            }
+            return send(url, init);
+        };
+    }""")
+
+
+def sent_form(page) -> dict[str, bytes]:
+    [form] = page.evaluate("window.forms")
+    return {name: base64.b64decode(data) for name, data in form["parts"].items()}
+
+
+def test_inpaint_with_a_painted_mask(watched, server, shots):
+    """An uploaded image with a stroke painted over its left half goes to /v1/images/edits as OpenAI's multipart
+    edit: the mask is transparent where the stroke went and opaque elsewhere, and the result joins the gallery."""
+    from PIL import Image
+
+    page = watched.page
+    open_tab(page, server, "images", "#image-model")
+    source = png_bytes(64, 64, color=(30, 120, 200))
+    page.set_input_files("#image-source", files=[{"name": "blue.png", "mimeType": "image/png", "buffer": source}])
+    page.wait_for_function("document.getElementById('mask-canvas').width === 64")
+    assert page.inner_text("#image-generate") == "Edit"
+    box = page.locator("#mask-canvas").bounding_box()
+    page.fill("#mask-brush", "40")  # screen pixels: 8 of the image's, shown at 320 px
+    page.mouse.move(box["x"] + box["width"] * 0.2, box["y"] + box["height"] * 0.2)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.2, box["y"] + box["height"] * 0.8, steps=8)
+    page.mouse.up()
+    page.fill("#image-prompt", "a red door")
+    page.fill("#image-steps", "4")
+    page.fill("#image-strength", "0.5")
+    page.fill("#image-seed", "3")
+    record_forms(page)
+    with page.expect_request("**/v1/images/edits"):
+        page.click("#image-generate")
+    parts = sent_form(page)
+    assert parts["image"] == source and parts["stream"] == b"true" and parts["strength"] == b"0.5"
+    mask = Image.open(io.BytesIO(parts["mask"]))
+    assert mask.mode == "RGBA" and mask.size == (64, 64)
+    alpha = mask.getchannel("A")
+    assert alpha.getpixel((13, 32)) == 0, "the painted stroke is not transparent"
+    assert alpha.getpixel((50, 32)) == 255 and alpha.getpixel((13, 2)) == 255, "unpainted pixels are not opaque"
+    item = page.wait_for_selector("#gallery li")
+    text = item.inner_text()
+    assert "edit\ninpaint" in text and "strength\n0.5" in text and "a red door" in text
+    assert page.inner_text("#image-status").startswith("Done"), page.inner_text("#image-status")
+    screenshot(page, shots, "inpaint")
+    # Removing the image goes back to text-to-image.
+    page.click("#image-source-remove")
+    assert page.inner_text("#image-generate") == "Generate" and page.is_hidden("#mask-area")
+
+
 def test_chat_with_an_attached_image_streams_a_reply(watched, server, shots):
     page = watched.page
     open_tab(page, server, "chat", "#chat-model")
@@ -259,9 +336,24 @@ def test_chat_markdown_is_rendered_and_html_escaped(watched, server):
     assert "<img" not in html and "<script" not in html and "&lt;img src=x" in html
 
 
+def start_batch(server, prompt: str) -> str:
+    """A one-line image batch made through the API (with the key); its id."""
+    line = json.dumps({"custom_id": "one", "method": "POST", "url": "/v1/images/generations",
+                       "body": {"model": IMAGE_MODEL, "prompt": prompt, "size": "64x64", "num_inference_steps": 2}})
+    r = httpx.post(f"{server.url}/v1/files", headers=AUTH, timeout=30, data={"purpose": "batch"},
+                   files={"file": ("lines.jsonl", line.encode() + b"\n", "application/jsonl")})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/v1/batches", headers=AUTH, timeout=30, json={
+        "input_file_id": r.json()["id"], "endpoint": "/v1/images/generations", "completion_window": "24h"})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
 def test_server_tab_shows_models_and_live_metrics(watched, server, shots):
     page = watched.page
     generate(server, "x")  # something to count, whatever ran before
+    generate(server, "x")  # the same prompt again: a prompt-embedding cache hit
+    batch = start_batch(server, "a batch of one")
     open_tab(page, server, "server", "#image-model")
     models = page.wait_for_selector("#server-models tr:nth-child(2)").evaluate("r => r.parentElement.innerText")
     assert "text-to-image" in models and "vision-chat" in models
@@ -270,6 +362,13 @@ def test_server_tab_shows_models_and_live_metrics(watched, server, shots):
     assert depth == "0" and int(batches) >= 2 and float(mean) >= 1 and largest != "—"
     completed = page.inner_text(f"#server-outcomes tr[data-model='{IMAGE_MODEL}'] td:nth-child(2)")
     assert int(completed) >= 1
+    hits = page.inner_text("#server-caches tr[data-cache='prompt_embedding'] td:nth-child(2)")
+    assert int(hits) >= 1 and int(page.inner_text("#server-cachehits")) >= int(hits)
+    # The batch is listed and its state follows the server's: it completes without a reload.
+    page.wait_for_selector(f"#server-jobs tr[data-job='{batch}'][data-status='completed']")
+    row = page.inner_text(f"#server-jobs tr[data-job='{batch}']")
+    assert "batch" in row and "/v1/images/generations" in row and "1 / 1" in row, row
+    assert page.is_hidden("#server-jobs-empty")
     # The numbers are polled: a request made now shows up without reloading the page.
     requests = int(page.inner_text("#server-requests"))
     generate(server, "y")
@@ -305,18 +404,21 @@ def test_every_tab_fits_a_phone(watched, server):
     page = watched.page
     page.set_viewport_size({"width": 390, "height": 844})
     open_tab(page, server, "images", "#image-model")
-    for tab in ("images", "chat", "server"):
+    for tab in ("images", "chat", "voice", "video", "server"):  # main.js's TABS, in order
         page.wait_for_selector(f"#panel-{tab}", state="visible")  # the hash changes, then the panel
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), f"{tab} is too wide"
         page.focus(f"#tab-{tab}")
         page.keyboard.press("ArrowRight")
-    page.wait_for_selector("#panel-images", state="visible")  # round the three and back
+    page.wait_for_selector("#panel-images", state="visible")  # round the five and back
 
 
 def test_docs_screenshots_are_small_pngs():
     """The README shows docs/playground-*.png: present, PNG, and small."""
     shots = sorted(DOCS.glob("playground-*.png"))
-    assert {p.stem for p in shots} >= {"playground-images", "playground-chat", "playground-server"}
+    tabs = {"images", "inpaint", "chat", "voice", "video", "server"}
+    assert {p.stem for p in shots} >= {f"playground-{tab}" for tab in tabs}
+    readme = (REPO / "README.md").read_text()
+    assert all(f"docs/playground-{tab}.png" in readme for tab in tabs), "the README shows one of each"
     for path in shots:
         data = path.read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) < MAX_DOCS_PNG_BYTES, path

@@ -36,9 +36,11 @@ async function errorOf(response) {
   return new ApiError(response.status, message);
 }
 
+// `body`: an object sent as JSON, or FormData sent as multipart (the browser writes its boundary header).
 export async function request(path, { method = "GET", body, signal } = {}) {
-  const init = { method, signal, headers: headers(body !== undefined) };
-  if (body !== undefined) init.body = JSON.stringify(body);
+  const form = body instanceof FormData;
+  const init = { method, signal, headers: headers(body !== undefined && !form) };
+  if (body !== undefined) init.body = form ? body : JSON.stringify(body);
   const response = await fetch(path, init);
   if (!response.ok) throw await errorOf(response);
   return response;
@@ -63,7 +65,7 @@ export function parseEvent(block) {
   return data.length ? { event, data: data.join("\n") } : null;
 }
 
-// POSTs `body` to `path` and yields its events as {event, data: parsed JSON} until `data: [DONE]`.
+// POSTs `body` (JSON or FormData) to `path` and yields its events as {event, data: parsed JSON} until `data: [DONE]`.
 // Aborting `signal` ends the request; mmserve cancels the work when the client goes away.
 export async function* streamEvents(path, body, signal) {
   const response = await request(path, { method: "POST", body, signal });

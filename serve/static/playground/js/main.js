@@ -4,8 +4,10 @@ import { initChat, setChatModels } from "./chat.js";
 import { $, showBanner } from "./dom.js";
 import { initImages, setImageModels } from "./images.js";
 import { setServerModels, watchServer } from "./server.js";
+import { initVideo, setVideoModels } from "./video.js";
+import { initVoice, setVoiceModels } from "./voice.js";
 
-const TABS = ["images", "chat", "server"];
+const TABS = ["images", "chat", "voice", "video", "server"];
 
 function showTab() {
   const wanted = location.hash.slice(1);
@@ -37,6 +39,8 @@ async function loadModels() {
     $("key-form").hidden = !apiKey();
     setImageModels(models);
     setChatModels(models);
+    setVoiceModels(models);
+    setVideoModels(models);
     setServerModels(models);
   } catch (error) {
     if (error instanceof ApiError && error.status === 401) {
@@ -60,6 +64,8 @@ function init() {
   window.addEventListener("hashchange", showTab);
   initImages();
   initChat();
+  initVoice();
+  initVideo();
   showTab();
   loadModels();
 }

@@ -1,12 +1,14 @@
-// Server tab: the models and their tasks, and live numbers from /metrics (queue depth, active items, batch
-// sizes, request outcomes), polled while the tab is open, with small sparklines of the last minute or so.
-import { getText } from "./api.js";
+// Server tab: the models and their tasks, live numbers from /metrics (queue depth, active items, batch sizes,
+// request outcomes, cache hits) and the key's video and batch jobs, polled while the tab is open, with small
+// sparklines of the last minute or so.
+import { getJSON, getText } from "./api.js";
 import { $, el } from "./dom.js";
 import { parsePrometheus, sumBy, total } from "./prometheus.js";
 
 const POLL_MS = 2000;
 const HISTORY = 60; // samples each sparkline keeps
-const series = { queued: [], active: [], requests: [] };
+const series = { queued: [], active: [], requests: [], cachehits: [] };
+const JOBS = 20; // the newest of each kind
 let timer = 0;
 
 function cell(value, numeric = false) {
@@ -53,6 +55,50 @@ function outcomeRows(samples) {
     cell(model), cell(r.ok, true), cell(r.cancelled, true), cell(r.failed, true)));
 }
 
+function bytes(n) {
+  const units = ["B", "KB", "MB", "GB"];
+  let i = 0;
+  for (; n >= 1024 && i < units.length - 1; i += 1) n /= 1024;
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+function cacheRows(samples) {
+  const hits = sumBy(samples, "mmserve_cache_hits_total", "cache");
+  const misses = sumBy(samples, "mmserve_cache_misses_total", "cache");
+  const held = sumBy(samples, "mmserve_cache_bytes", "cache");
+  const names = [...new Set([...hits.keys(), ...misses.keys(), ...held.keys()])].sort();
+  return names.map((name) => {
+    const hit = hits.get(name) || 0;
+    const lookups = hit + (misses.get(name) || 0);
+    return el("tr", { "data-cache": name }, cell(name), cell(hit, true), cell(misses.get(name) || 0, true),
+      cell(lookups ? `${((100 * hit) / lookups).toFixed(0)} %` : "—", true), cell(bytes(held.get(name) || 0), true));
+  });
+}
+
+// Progress of a job as a user reads it: a video's percent, a batch's lines done of its total.
+function jobProgress(job) {
+  if (job.object === "batch") {
+    const counts = job.request_counts;
+    return `${counts.completed + counts.failed} / ${counts.total}`;
+  }
+  return `${job.progress ?? 0} %`;
+}
+
+function jobRow(job) {
+  const kind = job.object === "batch" ? "batch" : "video";
+  return el("tr", { "data-job": job.id, "data-status": job.status }, cell(kind), cell(job.id),
+    cell(job.model ?? job.endpoint ?? "—"), cell(job.status), cell(jobProgress(job), true),
+    cell(new Date(job.created_at * 1000).toLocaleTimeString()));
+}
+
+async function pollJobs() {
+  const [videos, batches] = await Promise.all([getJSON(`/v1/videos?limit=${JOBS}`),
+    getJSON(`/v1/batches?limit=${JOBS}`)]);
+  const jobs = [...videos.data, ...batches.data].sort((a, b) => b.created_at - a.created_at);
+  $("server-jobs").replaceChildren(...jobs.map(jobRow));
+  $("server-jobs-empty").hidden = jobs.length > 0;
+}
+
 function sparkline(svg, values) {
   const top = Math.max(1, ...values);
   const step = 120 / (HISTORY - 1);
@@ -76,8 +122,11 @@ async function poll() {
     record("queued", total(samples, "mmserve_stage_queue_depth"));
     record("active", total(samples, "mmserve_stage_active_items"));
     record("requests", total(samples, "mmserve_graph_requests_total"));
+    record("cachehits", total(samples, "mmserve_cache_hits_total"));
     $("server-stages").replaceChildren(...stageRows(samples));
     $("server-outcomes").replaceChildren(...outcomeRows(samples));
+    $("server-caches").replaceChildren(...cacheRows(samples));
+    await pollJobs();
     $("server-updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (error) {
     $("server-updated").textContent = `metrics unavailable: ${error.message}`;
