@@ -42,14 +42,16 @@ class Pipeline:
                height: int | None = None, num_inference_steps: int | None = None,
                guidance_scale: float | None = None, seed: int | None = None, num_images_per_prompt: int = 1,
                image: Any = None, mask_image: Any = None, strength: float = 0.8, partial_images: int = 0,
-               tenant: str = "default", step_cache: dict | None = None, **extra) -> RequestHandle:
-        """Start a request; the handle streams events (progress per step) and can cancel().
+               preview_every: int = 0, tenant: str = "default", step_cache: dict | None = None,
+               **extra) -> RequestHandle:
+        """Start a request; the handle streams events (progress per step, with a "preview" for `partial_images`
+        spread over the steps or one every `preview_every` steps) and can cancel().
         `step_cache`: opt-in approximate step caching, e.g. {"method": "teacache", "threshold": 0.2}."""
         request = ImageRequest(
             prompt=prompt, task=image_task(image is not None, mask_image is not None), negative_prompt=negative_prompt,
             width=width, height=height, n=num_images_per_prompt, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, seed=seed, strength=strength, image=image, mask=mask_image,
-            tenant=tenant, previews=partial_images, extra=extra, step_cache=step_cache)
+            tenant=tenant, previews=partial_images, preview_every=preview_every, extra=extra, step_cache=step_cache)
         return self.engine.submit_image(self.model, request)
 
     def __call__(self, prompt: str, *, output_type: str = "pil", **kwargs):

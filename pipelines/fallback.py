@@ -226,6 +226,7 @@ class ServedPipeline(ServedImages):
         lacks = {"lora": "LoRA adapters" if request.lora else None,
                  "step_cache": "step caching" if request.step_cache else None,
                  "partial_images": "partial images" if request.previews else None,
+                 "preview_every": "previews" if request.preview_every else None,
                  "negative_prompt": "negative_prompt" if request.negative_prompt is not None
                  and "negative_prompt" not in call.takes else None,
                  "guidance_scale": "guidance_scale" if request.guidance_scale is not None and not call.guidance

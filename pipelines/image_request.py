@@ -65,6 +65,7 @@ class ImageRequest:
     mask: Any = None  # PIL.Image (white = repaint) for inpainting
     tenant: str = "default"  # enters every cache identity
     previews: int = 0  # how many partial images to stream (each costs a VAE decode)
+    preview_every: int = 0  # a partial image after every this many steps instead (0: `previews` spread out)
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific knobs (max_sequence_length, ...)
     # Opt-in approximate step caching: {"method": "teacache" | "fbcache" | "interval", "threshold" | "interval"}
     step_cache: StepCacheParams | dict | None = None
@@ -117,7 +118,8 @@ class ImageRequest:
         return ImageRequest(
             prompt=self.prompt, task=self.task, negative_prompt=self.negative_prompt, width=width, height=height,
             n=self.n, num_inference_steps=steps, guidance_scale=guidance, seed=seed, strength=self.strength,
-            image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews, extra=dict(self.extra),
+            image=self.image, mask=self.mask, tenant=self.tenant, previews=self.previews,
+            preview_every=self.preview_every, extra=dict(self.extra),
             step_cache=step_cache, output=self.output, session=self.session, lora=self.lora)
 
     def _check(self, *, size_factor: int, default_size: int, default_steps: int | None,
@@ -169,6 +171,11 @@ class ImageRequest:
             raise RequestError("seed", f"seed must be between 0 and 2**63-1; got {self.seed}")
         if not 0 <= self.previews <= (steps if steps is not None else limits.max_steps):
             raise RequestError("partial_images", f"partial_images must be between 0 and the step count {steps}")
+        if self.preview_every < 0:
+            raise RequestError("preview_every", f"preview_every must be >= 1 (steps between previews); got "
+                                                f"{self.preview_every}")
+        if self.preview_every and self.previews:
+            raise RequestError("preview_every", "give partial_images or preview_every, not both")
         if self.task is not Task.TEXT_TO_IMAGE:
             if images and self.image is None:
                 raise RequestError("image", f"{self.task.value} needs an input image")

@@ -101,6 +101,9 @@ class ImageParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)  # None: random, reported back in the response
     step_cache: StepCacheBody | None = None  # approximate step caching; the model must allow it
     lora: list[LoraRef] | None = Field(None, max_length=MAX_LORAS)  # the model's LoRA adapters, weighted
+    preview_every: int | None = Field(None, ge=1, description=(
+        "With stream: a partial image after every this many denoise steps (OpenAI's partial_images stops at 3); "
+        "each costs a VAE decode, or a tiny one with the model's preview_vae. Not with partial_images"))
     # Family knobs (the diffusers pipelines' own arguments): a model whose family does not take one refuses it (400
     # naming the field); the family checks its limits. None: the pipeline's default.
     max_sequence_length: int | None = Field(None, ge=1, description=(
@@ -145,7 +148,8 @@ class ImageParams(BaseModel):
             step_cache=self.step_cache.params() if self.step_cache is not None else None,
             lora=tuple((ref.name, ref.scale) for ref in self.lora or ()),
             # Previews only make sense on a stream; computing them otherwise would waste VAE decodes.
-            previews=(self.partial_images or 0) if self.stream else 0, output=self.encoding, extra=self.knobs())
+            previews=(self.partial_images or 0) if self.stream else 0,
+            preview_every=(self.preview_every or 0) if self.stream else 0, output=self.encoding, extra=self.knobs())
         if strength is not None:
             request.strength = strength
         return request

@@ -79,6 +79,7 @@ def test_a_pipeline_answers_as_its_own_call_and_models_say_how_they_run(pixart, 
         assert defaults == (20, 4.5, 256, 256)
         bad = [({"width": 40, "height": 32}, "size"), ({"num_inference_steps": 0}, "num_inference_steps"),
                ({"lora": (("a", None),)}, "lora"), ({"previews": 1}, "partial_images"),
+               ({"preview_every": 1}, "preview_every"),
                ({"extra": {"output_type": "pil"}}, "extra.output_type"),
                ({"task": Task.IMAGE_TO_IMAGE, "image": noise_image(32)}, "model")]
         for fields, param in bad:

@@ -190,10 +190,12 @@ def test_images_preview_changes_then_gallery(watched, server, shots):
     with page.expect_request("**/v1/images/generations") as sent:
         page.click("#image-generate")
     body = sent.value.post_data_json
-    assert body["stream"] is True and body["partial_images"] == 3 and body["num_inference_steps"] == 30
+    # The per-step preview extension (past OpenAI's cap of 3 partial images): about 8 previews over the 30 steps.
+    assert body["stream"] is True and body["preview_every"] == 4 and body["num_inference_steps"] == 30
+    assert "partial_images" not in body
     item = page.wait_for_selector("#gallery li")
     previews = page.evaluate("window.previews")
-    assert len(set(previews)) >= 3, previews
+    assert len(set(previews)) >= 5, previews
     assert page.eval_on_selector("#image-progress", "p => p.value") == 1
     text = item.inner_text()
     assert "seed\n7" in text and "steps\n30" in text and "64x64" in text and "lighthouse" in text

@@ -128,6 +128,19 @@ def test_openai_client_stream(client):
     assert read_image(base64.b64decode(events[-1].b64_json)).size == (64, 64)
 
 
+def test_preview_every_streams_a_partial_image_every_n_steps(client):
+    """The per-step preview extension: past OpenAI's cap of 3, one after every `preview_every` steps but the last."""
+    events = list(client.images.generate(model=MODEL, prompt="a red fox", size="64x64", stream=True,
+                                         extra_body={"num_inference_steps": 5, "seed": 5, "preview_every": 1}))
+    partials = [e for e in events if e.type == "image_generation.partial_image"]
+    assert [e.partial_image_index for e in partials] == [0, 1, 2, 3]
+    assert len({e.b64_json for e in partials}) == 4 and events[-1].type == "image_generation.completed"
+    every_two = list(client.images.generate(model=MODEL, prompt="a red fox", size="64x64", stream=True,
+                                            extra_body={"num_inference_steps": 5, "seed": 5, "preview_every": 2}))
+    again = [e.b64_json for e in every_two if e.type == "image_generation.partial_image"]
+    assert again == [partials[1].b64_json, partials[3].b64_json]  # after steps 2 and 4: the same latents
+
+
 def test_openai_client_sees_errors(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.images.generate(model="no-such-model", prompt="x")
@@ -196,6 +209,8 @@ def test_sse_progress_per_step_then_image(server):
     ({"prompt": "   "}, 400, "prompt", "invalid_value"),
     ({"response_format": "gif"}, 400, "response_format", "invalid_value"),
     ({"partial_images": 4}, 400, "partial_images", "invalid_value"),
+    ({"preview_every": 0}, 400, "preview_every", "invalid_value"),
+    ({"stream": True, "preview_every": 2, "partial_images": 1}, 400, "preview_every", "invalid_value"),
     ({"background": "transparent"}, 400, "background", "invalid_value"),
     ({"frobnicate": True}, 400, "frobnicate", "unknown_parameter"),
 ])

@@ -71,10 +71,13 @@ class DenoiseStage(LoopStage):
     def start(self, item: WorkItem) -> None:
         self.adapter.prepare(item)
         item.state["i"] = 0
-        previews = item.inputs["request"].previews
-        total = item.state["total"]
-        # Spread the previews over the loop, the last one a step before the end.
-        item.state["preview_at"] = {max(1, (k + 1) * total // (previews + 1)) for k in range(previews)}
+        request = item.inputs["request"]
+        total, every = item.state["total"], getattr(request, "preview_every", 0)
+        if every:  # the per-step extension: after every `every` steps, but not the last (the image itself comes)
+            item.state["preview_at"] = set(range(every, total, every))
+        else:  # partial_images: spread over the loop, the last one a step before the end
+            item.state["preview_at"] = {max(1, (k + 1) * total // (request.previews + 1))
+                                        for k in range(request.previews)}
 
     def step(self, items: list[WorkItem]) -> None:
         outputs = self.adapter.forward(items)

@@ -1,11 +1,15 @@
 // Images tab: a text-to-image request, or an edit of an uploaded image (inpainting where a mask was painted),
-// streamed over SSE. Progress events move the bar, partial images (at most 3, OpenAI's cap) replace the live
-// preview, completed images join the gallery with their parameters.
+// streamed over SSE. Progress events move the bar, partial images replace the live preview (about PREVIEWS of
+// them through mmserve's per-step `preview_every`; 3, OpenAI's cap, where a model runs a plain diffusers pipeline),
+// completed images join the gallery with their parameters.
 import { isAbort, streamEvents } from "./api.js";
 import { $, el, imageUrl } from "./dom.js";
 import { MaskPainter } from "./mask.js";
 
-const PREVIEWS = 3; // partial_images: OpenAI caps it at 3
+const PREVIEWS = 8; // partial images a request asks for, when the model takes preview_every
+const OPENAI_PREVIEWS = 3; // partial_images: OpenAI caps it at 3
+const GUESSED_STEPS = 30; // a model's default step count is not listed: preview_every is sized for this many
+const stepwise = new Set(); // models that take preview_every (their graph runs the denoise loop step by step)
 let running = null; // the AbortController of the request in flight
 let partialUrl = null; // the blob: URL of the preview on show, while it is a partial image (results stay)
 let source = null; // the File to edit; null: text-to-image
@@ -26,7 +30,6 @@ function requestBody() {
     size: $("image-size").value,
     n: numberField("image-n") ?? 1,
     stream: true,
-    partial_images: PREVIEWS,
   };
   const negative = $("image-negative").value.trim();
   if (negative) body.negative_prompt = negative;
@@ -34,6 +37,11 @@ function requestBody() {
   for (const [field, id] of Object.entries(optional)) {
     const value = numberField(id);
     if (value !== undefined) body[field] = value;
+  }
+  if (stepwise.has(body.model)) {
+    body.preview_every = Math.max(1, Math.ceil((numberField("image-steps") ?? GUESSED_STEPS) / PREVIEWS));
+  } else {
+    body.partial_images = OPENAI_PREVIEWS;
   }
   const strength = numberField("image-strength");
   if (source && strength !== undefined) body.strength = strength;
@@ -144,6 +152,8 @@ export function setImageModels(models) {
   const select = $("image-model");
   const tasks = ["text-to-image", ...EDIT_TASKS];
   const imageModels = models.filter((m) => (m.tasks || []).some((t) => tasks.includes(t)));
+  stepwise.clear();
+  for (const m of imageModels) if (m.execution === "stage-graph") stepwise.add(m.id);
   select.replaceChildren(...imageModels.map((m) => el("option", { value: m.id }, m.id)));
   if (!imageModels.length) status("This server has no image model.");
   $("image-generate").disabled = !imageModels.length;
