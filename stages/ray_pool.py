@@ -218,7 +218,8 @@ class RayStagePool(StagePool):
     def _packet(self, token: int, item: WorkItem) -> Packet:
         deadline = item.request.deadline
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return Packet(token, item.request_id, item.request.model, item.node, item.inputs, item.piece, left)
+        return Packet(token, item.request_id, item.request.model, item.node, item.inputs, item.piece, left,
+                      traced=item.trace is not None)
 
     # -- what comes back ----------------------------------------------------------------
     def _drain(self, r: int) -> None:
@@ -268,8 +269,14 @@ class RayStagePool(StagePool):
                 self._m_queue_age.observe(waited)
                 self._m_replica[r]["items"].inc()
                 self._m_replica[r]["queue_age"].observe(waited)
+                if item.trace is not None:
+                    item.trace.queue_wait_s = waited
             item.emit(m.kind, **m.data)
-        elif m.what == "done":
+            return
+        if m.trace is not None and item.trace is not None:  # the replica's facts; its batch ids are its own
+            batch_id = m.trace["batch_id"] and f"{m.trace['batch_id']}@replica{r}"
+            item.trace.took({**m.trace, "batch_id": batch_id})
+        if m.what == "done":
             self._finish(item, m.data)
         else:
             error = None if m.error is None else StageError(m.error["code"], m.error["message"],

@@ -26,6 +26,7 @@ from stages.remote_series import SeriesDiff
 from stages.request_state import RequestState
 from stages.stage import Stage, WorkItem
 from stages.thread_budget import ThreadBudget, default_threads
+from stages.tracing import NodeTrace
 
 SERIES_EVERY_S = 0.5  # how often a replica sends what changed in its stage's series
 
@@ -41,6 +42,7 @@ class Packet:
     inputs: dict[str, Any]  # the item's inputs (tensors travel through Ray's object store)
     piece: int | None = None  # a streamed node's piece
     deadline_in_s: float | None = None  # seconds left until the request's deadline when it was sent
+    traced: bool = False  # the API process traces it: its run facts come back with it (ReplicaMessage.trace)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class ReplicaMessage:
     kind: EventKind | None = None  # the event's kind ("event" only)
     data: dict[str, Any] = field(default_factory=dict)  # the event's data, or the outputs
     error: dict[str, Any] | None = None  # "drop": why, StageError's fields (None: it was stopped)
+    trace: dict[str, Any] | None = None  # "done" / "drop" of a traced item: what was measured (NodeTrace.facts)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class RemoteRequest(RequestState):
         super().__init__(packet.request_id, deadline=deadline, model=packet.model)
         self.token = packet.token
         self._outbox = outbox
+        self.facts: dict[str, Any] | None = None  # a traced item's measured facts, once its stage let it go
 
     def emit(self, kind: EventKind, *, stage: str | None = None, **data) -> bool:
         if self.cancelled:
@@ -92,6 +96,13 @@ class _ReplicaPool(StagePool):
     def _observe_run(self, worker: int, seconds: float, items: int) -> None:
         super()._observe_run(worker, seconds, items)
         self._outbox.put(ReplicaMessage(-1, "run", data={"seconds": seconds, "items": items}))
+
+    def _end_trace(self, item: WorkItem, error: StageError | None) -> None:
+        """A traced item's facts go back with it (its request keeps them for the done or drop message)."""
+        trace, item.trace = item.trace, None
+        if trace is not None:
+            assert isinstance(item.request, RemoteRequest)
+            item.request.facts = trace.facts()
 
 
 class ReplicaWorker:
@@ -124,7 +135,8 @@ class ReplicaWorker:
         for packet in packets:
             request = RemoteRequest(packet, self._outbox)
             self._requests[packet.token] = request
-            self._pool.put(WorkItem(request, packet.node, packet.inputs, piece=packet.piece))
+            trace = NodeTrace(None, None) if packet.traced else None  # gathers, never exports
+            self._pool.put(WorkItem(request, packet.node, packet.inputs, piece=packet.piece, trace=trace))
 
     def stop(self, tokens: list[int]) -> None:
         """Those items' requests stopped (cancelled, past their deadline, fenced): drop them at the next boundary."""
@@ -166,13 +178,13 @@ class ReplicaWorker:
 
     def _done(self, item: WorkItem, outputs: dict[str, Any]) -> None:
         request = self._forget(item)
-        self._outbox.put(ReplicaMessage(request.token, "done", data=outputs))
+        self._outbox.put(ReplicaMessage(request.token, "done", data=outputs, trace=request.facts))
 
     def _drop(self, item: WorkItem, error: StageError | None) -> None:
         request = self._forget(item)
         fields = None if error is None else dict(code=error.code, message=error.message, param=error.param,
                                                  kind=error.kind.value)
-        self._outbox.put(ReplicaMessage(request.token, "drop", error=fields))
+        self._outbox.put(ReplicaMessage(request.token, "drop", error=fields, trace=request.facts))
 
     def _forget(self, item: WorkItem) -> RemoteRequest:
         request = item.request

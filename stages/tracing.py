@@ -53,12 +53,18 @@ class RequestTag:
 current_request: ContextVar[RequestTag | None] = ContextVar("current_request", default=None)
 
 
+# The facts a Ray replica measures for an item it ran and sends back with it (stages/ray_replica.py); the API
+# process's pool notes the queue wait itself and exports the span.
+REPLICA_FACTS = ("run_time_s", "batch_size", "batch_id", "calls", "cache_hits", "cache_misses", "cached_tokens")
+
+
 @dataclass
 class NodeTrace:
-    """One work item's stage span in the making: its pool notes the facts, and it is exported once, when it ends."""
+    """One work item's stage span in the making: its pool notes the facts, and it is exported once, when it ends.
+    Without a tracer it only gathers them: a Ray replica's record, sent back with the item."""
 
-    tracer: trace.Tracer
-    parent: otel_context.Context  # the request span's context
+    tracer: trace.Tracer | None
+    parent: otel_context.Context | None  # the request span's context
     queued_ns: int = field(default_factory=time.time_ns)  # wall clock: the span starts when the item is queued
     queue_wait_s: float = 0.0  # queued -> its stage started it
     run_time_s: float = 0.0  # the stage calls it took part in, together
@@ -74,6 +80,15 @@ class NodeTrace:
         self.cache_hits += hits
         self.cache_misses += misses
 
+    def facts(self) -> dict[str, Any]:
+        """What a replica measured, to send back (REPLICA_FACTS)."""
+        return {name: getattr(self, name) for name in REPLICA_FACTS}
+
+    def took(self, facts: dict[str, Any]) -> None:
+        """What the replica that ran it measured."""
+        for name in REPLICA_FACTS:
+            setattr(self, name, facts[name])
+
     def ran(self, batch_id: str, batch_size: int, seconds: float) -> None:
         """It took part in one stage call."""
         if not self.calls:
@@ -84,6 +99,7 @@ class NodeTrace:
 
     def end(self, request_id: str, node: str, stage: str, error: StageError | None) -> None:
         """Export the span (the item left its stage: finished, dropped or failed)."""
+        assert self.tracer is not None, "a replica's record is sent back, not exported"
         attributes: dict[str, Any] = {
             "mmserve.request_id": request_id, "mmserve.node": node, "mmserve.stage": stage,
             "mmserve.queue_wait_s": self.queue_wait_s, "mmserve.run_time_s": self.run_time_s,

@@ -24,7 +24,8 @@ import pytest
 
 INSIDE = os.environ.get("MMSERVE_RAY_NETNS") == "1"
 CASES = ["test_cluster_is_on_loopback", "test_a_parallel_replica_runs_its_ranks_in_its_actor",
-         "test_image_equals_local_and_progress_streams", "test_cancel_within_a_step",
+         "test_image_equals_local_and_progress_streams", "test_spans_carry_what_the_replicas_measured",
+         "test_cancel_within_a_step",
          "test_two_replicas_share_the_load", "test_a_realtime_video_session_stays_on_one_replica",
          "test_chat_greedy_equals_generate_token_by_token", "test_kill_9_mid_chat_leaves_no_kv_blocks",
          "test_kill_9_fails_only_in_flight_items", "test_a_batch_across_a_killed_replica_finishes_every_line_once",
@@ -234,6 +235,26 @@ else:
         with running_engine(sd_path, pools={"denoise": PoolConfig(threads=1)}) as local:
             want = _image(local, seed=7, steps=5).result(timeout=120)["pixels"]
         np.testing.assert_array_equal(got, want)  # bit for bit on the CPU
+
+    def test_spans_carry_what_the_replicas_measured(sd_ray):
+        """Tracing on: each node's span has the queue wait seen here and the run time, steps, batch size, batch id
+        and cache lookups its replica measured (the replica gathers them, this process exports the span)."""
+        from stages.tracing import Tracing
+
+        tracing = Tracing.from_mode("memory")
+        assert tracing is not None
+        sd_ray.executor.tracing = tracing
+        try:
+            _image(sd_ray, seed=3, steps=3).result(timeout=120)
+        finally:
+            sd_ray.executor.tracing = None
+        spans = {s.name: s.attributes for s in tracing.exporter.get_finished_spans()}
+        denoise, encode = spans["denoise"], spans["text_encode"]
+        assert denoise["mmserve.calls"] == 3 and denoise["mmserve.run_time_s"] > 0
+        assert denoise["mmserve.batch_size"] >= 1
+        assert denoise["mmserve.batch_id"].startswith("m/denoise-") and "@replica" in denoise["mmserve.batch_id"]
+        assert denoise["mmserve.queue_wait_s"] > 0 and spans["vae_decode"]["mmserve.run_time_s"] > 0
+        assert encode["mmserve.cache_hits"] + encode["mmserve.cache_misses"] >= 1
 
     def test_cancel_within_a_step(sd_ray):
         from tests.helpers import cancel_mid_loop
