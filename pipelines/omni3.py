@@ -29,6 +29,7 @@ import threading
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from pipelines.omni import SpeechOutput
 from pipelines.omni_talker import FedTalkerStage, ThinkerFeed
@@ -182,13 +183,19 @@ class Omni3Voice:
         return wav.reshape(-1).float().cpu()
 
     @torch.inference_mode()
-    def chunk(self, window: torch.Tensor, context: int, opens_span: bool) -> torch.Tensor:
-        """A streamed chunk's samples: code2wav on `window` [groups, codes] (`context` codes of left context, then
-        the chunk), the chunk's share of the whole reply's waveform. A decode's last `lost` samples need the codes
-        after it: the chunk that opens a span (as generate() decodes it) starts at its first code's samples, a later
-        one `lost` samples before (the ones the chunk before it could not make)."""
-        wav = self.code2wav(window[None].to(self.device)).reshape(-1).float().cpu()
-        return wav[context * self.hop - (0 if opens_span else self.lost):]
+    def chunks(self, windows: list[tuple[torch.Tensor, int, bool]]) -> list[torch.Tensor]:
+        """Streamed chunks' samples, several replies' in one code2wav forward. Each (window [groups, codes],
+        `context` codes of left context then the chunk, whether it opens a decode span) gives the chunk's share of
+        its reply's waveform. The windows are right-padded to the longest: code2wav is causal, so a row's samples
+        up to its own end (codes x hop - lost) do not read the padding (equal to a decode alone within float
+        rounding). A decode's last `lost` samples need the codes after it: the chunk that opens a span (as
+        generate() decodes it) starts at its first code's samples, a later one `lost` samples before (the ones the
+        chunk before it could not make)."""
+        longest = max(window.shape[1] for window, _, _ in windows)
+        batch = torch.stack([F.pad(window, (0, longest - window.shape[1])) for window, _, _ in windows])
+        wavs = self.code2wav(batch.to(self.device)).float().cpu()
+        return [wav.reshape(-1)[context * self.hop - (0 if opens_span else self.lost):window.shape[1] * self.hop
+                                - self.lost] for wav, (window, context, opens_span) in zip(wavs, windows)]
 
 class Talker3Row:
     """A reply being spoken: its feed, the media it read (states and geometry), its own cache (unpadded) and rope

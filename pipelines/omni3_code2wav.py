@@ -16,7 +16,8 @@ from stages.events import EventKind, StageError
 from stages.pool import PoolConfig
 from stages.stage import Stage, WorkItem
 
-CODE2WAV_POOL = PoolConfig(max_batch_size=1, max_queue=256)  # one reply (or chunk) a call (ModelSpec.pools rules)
+# A call decodes one whole reply, or several replies' streamed chunks (ModelSpec.pools rules)
+CODE2WAV_POOL = PoolConfig(max_batch_size=8, max_queue=256)
 # A streamed reply's chunks: the first of FIRST_CHUNK codes (the first audio comes early), each later one twice the
 # one before up to MAX_CHUNK, each decoded with CONTEXT_CODES codes of left context (docs/omni.md: measured error)
 FIRST_CHUNK, MAX_CHUNK, CONTEXT_CODES = 4, 64, 25
@@ -69,8 +70,9 @@ class CodeChunks:
 
 
 class Code2WavStage(Stage):
-    """Codes -> a 24 kHz waveform, one reply a call; a streamed reply's chunk (a piece: `CodeChunks`) is told as a
-    DELTA {"audio", "sample_rate"}, as Qwen2.5-Omni's vocoder tells its chunks."""
+    """Codes -> a 24 kHz waveform: a whole reply alone (generate()'s span decode), streamed replies' chunks (pieces:
+    `CodeChunks`) together in one forward, each told as a DELTA {"audio", "sample_rate"}, as Qwen2.5-Omni's vocoder
+    tells its chunks."""
 
     kind = "code2wav"
 
@@ -79,19 +81,18 @@ class Code2WavStage(Stage):
         self.voice = voice
 
     def batch_key(self, item: WorkItem) -> Hashable:
-        return self.model
+        return self.model, item.piece is None  # whole replies apart from chunks
 
     def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
-        outputs = []
-        for item in items:
-            if item.piece is None:
-                outputs.append({"choices": item.inputs["choices"], "usage": item.inputs["usage"],
-                                "audio": self.voice.waveform(item.inputs["codes"]), "sample_rate": SAMPLE_RATE})
-                continue
-            audio = self.voice.chunk(item.inputs["window"], item.inputs["context"], item.inputs["opens_span"])
+        if items[0].piece is None:
+            return [{"choices": item.inputs["choices"], "usage": item.inputs["usage"],
+                     "audio": self.voice.waveform(item.inputs["codes"]), "sample_rate": SAMPLE_RATE}
+                    for item in items]
+        chunks = self.voice.chunks([(item.inputs["window"], item.inputs["context"], item.inputs["opens_span"])
+                                    for item in items])
+        for item, audio in zip(items, chunks):
             item.emit(EventKind.DELTA, audio=audio, sample_rate=SAMPLE_RATE)
-            outputs.append({"audio": audio})
-        return outputs
+        return [{"audio": audio} for audio in chunks]
 
 
 def streamed_reply3(outputs: dict[str, Any]) -> dict[str, Any]:

@@ -357,6 +357,30 @@ def test_a_streamed_reply_comes_in_chunks_while_the_talker_speaks(engine, spoken
     torch.testing.assert_close(audio, whole, rtol=0, atol=1e-4)
 
 
+def test_streamed_replies_share_code2wav_forwards(path):
+    """Two replies streamed at once, the talker stepping both: code2wav decodes their chunks in shared forwards (its
+    pool waits a little for company), and each reply's chunks still concatenate to its own whole decode (1e-4)."""
+    chat = [[{"role": "user", "content": text}] for text in ("Tell me a story.", "Count to five.")]
+    pools = {"code2wav": PoolConfig(max_batch_size=8, max_delay_ms=300, max_queue=64)}
+    with running_engine(path, family="vlm", pools=pools) as eng:
+        handles = [speak(eng, prompt, SpeechOutput("ethan", seed, stream=True)) for prompt, seed in zip(chat, (15, 12))]
+        streamed = []
+        for handle in handles:
+            frames, chunks = [], []
+            for event in handle.events(timeout=120):
+                if event.kind is EventKind.DELTA and event.stage == "talker":
+                    frames += event.data["codes"]
+                elif event.kind is EventKind.DELTA and event.stage == "vocoder":
+                    chunks.append(event.data["audio"])
+            streamed.append((torch.tensor(frames).T, torch.cat(chunks)))
+        assert eng.metrics.stage.max_batch_size("m/code2wav", "m") >= 2
+        voice = eng._served["m"].model.voice
+        for codes, audio in streamed:
+            whole = voice.waveform(codes)
+            assert audio.shape == whole.shape and whole.abs().max() > 0.05
+            torch.testing.assert_close(audio, whole, rtol=0, atol=1e-4)
+
+
 def test_streamed_chunks_across_decode_spans_equal_whole_decoding(engine):
     """generate() decodes a reply in spans of 300 codes (25 of left context, the last samples of each span lost):
     chunks never cross a span, and the chunks of 340 random codes (4, 8, ..., 64, then the span's rest, then the next
@@ -370,10 +394,14 @@ def test_streamed_chunks_across_decode_spans_equal_whole_decoding(engine):
         (4, True), (8, False), (16, False), (32, False), (64, False), (64, False), (64, False), (48, False),
         (40, True)]
     assert pieces[-1]["context"] == 25  # the span's own left context, as generate() decodes it
-    audio = torch.cat([voice.chunk(p["window"], p["context"], p["opens_span"]) for p in pieces])
+    windows = [(p["window"], p["context"], p["opens_span"]) for p in pieces]
+    audio = torch.cat([chunk for window in windows for chunk in voice.chunks([window])])
     whole = voice.waveform(codes)
     assert audio.shape == whole.shape
     torch.testing.assert_close(audio, whole, rtol=0, atol=1e-4)
+    # All nine in one forward (as code2wav's pool batches several replies' chunks): each as decoded alone.
+    together = voice.chunks(windows)
+    torch.testing.assert_close(torch.cat(together), audio, rtol=0, atol=2e-5)
 
 
 def test_cancel_mid_stream_ends_the_request_everywhere(engine):
