@@ -25,7 +25,6 @@ The streamed half of code2wav (cutting the talker's frames into chunks, the stag
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import torch
@@ -54,13 +53,6 @@ class ReplyFeed(ThinkerFeed):
     def fed(self) -> int:
         """Reply tokens the thinker has fed back (all but the last sampled): the ones sure to be spoken."""
         return max(0, len(self.reply_ids) - 1)
-
-    @classmethod
-    def whole(cls, wake: threading.Condition, prompt_ids: list[int], reply_ids: list[int]) -> "ReplyFeed":
-        """A reply already written (the talker after the thinker's reply)."""
-        feed = cls(wake)
-        feed.prompt_ids, feed.reply_ids, feed.done = list(prompt_ids), list(reply_ids), True
-        return feed
 
 
 class Omni3Voice:
@@ -402,9 +394,9 @@ class Talker3:
 
 class Talker3Stage(FedTalkerStage):
     """The talker's loop: a reply joins once its turn's first tokens are there (a `ReplyFeed` piece streamed from
-    the thinker, or, for a prompt with media, after the thinker's reply with the encoders' features) and steps with
-    the others; a streamed reply's frames go out as DELTAs {"codes": [frame]} (a frame: one code of each group). Its
-    outputs are the codes [groups, frames] (and, after the thinker's reply, the llm's choices and usage)."""
+    the thinker; for a prompt with media, with the encoders' features, done before the thinker started) and steps
+    with the others; a streamed reply's frames go out as DELTAs {"codes": [frame]} (a frame: one code of each
+    group). Its outputs are the codes [groups, frames]."""
 
     feed_class = ReplyFeed
 
@@ -413,27 +405,19 @@ class Talker3Stage(FedTalkerStage):
 
     def start(self, item: WorkItem) -> None:
         speech: SpeechOutput = item.inputs["speech"]
-        feed: ReplyFeed | None = item.inputs.get("thinker")
+        request: GenerationRequest = item.inputs["request"]  # a prompt with media: the one media_decode planned
         media: tuple[torch.Tensor | None, tuple, tuple] = (None, (), ())
-        if feed is None:  # after the thinker's reply: the prompt's media states are recomputed from their features
-            request: GenerationRequest = item.inputs["request"]
-            choice = item.inputs["choices"][0]
-            choice.pop("hidden", None)  # the llm's last-layer states: this talker reads other ones
-            feed = ReplyFeed.whole(self.wake, list(request.prompt_ids), choice["token_ids"])
-            if request.media:
-                features = in_span_order(request.media, item.inputs.get("features"), item.inputs.get("audio_features"))
-                spans = attach_features(request.media, features, num_tokens=len(request.prompt_ids),
-                                        hidden_size=self.voice.thinker.config.text_config.hidden_size)
-                tasks = (*item.inputs.get("media", ()), *item.inputs.get("audio_media", ()))
-                media = (self.voice.media_hidden(request, spans),
-                         tuple(t.geometry.audio_frames for t in tasks if t.geometry.kind == "audio"),
-                         tuple(t.geometry.grid_thw for t in tasks if t.geometry.kind == "image"))
+        if request.media:  # the thinker's states at the placeholders, recomputed from the encoders' features
+            features = in_span_order(request.media, item.inputs.get("features"), item.inputs.get("audio_features"))
+            spans = attach_features(request.media, features, num_tokens=len(request.prompt_ids),
+                                    hidden_size=self.voice.thinker.config.text_config.hidden_size)
+            tasks = (*item.inputs.get("media", ()), *item.inputs.get("audio_media", ()))
+            media = (self.voice.media_hidden(request, spans),
+                     tuple(t.geometry.audio_frames for t in tasks if t.geometry.kind == "audio"),
+                     tuple(t.geometry.grid_thw for t in tasks if t.geometry.kind == "image"))
         told = (lambda frame: item.emit(EventKind.DELTA, codes=[frame])) if speech.stream else None
-        item.state["row"] = Talker3Row(feed, speech, media, told, self.voice.device)
+        item.state["row"] = Talker3Row(item.inputs["thinker"], speech, media, told, self.voice.device)
 
     def finish(self, item: WorkItem) -> dict[str, Any]:
         row: Talker3Row = item.state.pop("row")
-        outputs: dict[str, Any] = {"codes": row.codes(self.talker.groups)}
-        if "choices" in item.inputs:  # after the thinker's reply: its choices and usage pass on
-            outputs |= {"choices": item.inputs["choices"], "usage": item.inputs["usage"]}
-        return outputs
+        return {"codes": row.codes(self.talker.groups)}

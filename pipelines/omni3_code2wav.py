@@ -24,10 +24,7 @@ FIRST_CHUNK, MAX_CHUNK, CONTEXT_CODES = 4, 64, 25
 
 
 def talked3(inputs: dict[str, Any]) -> dict[str, Any]:
-    """A whole reply's code2wav inputs: the codes, choices and usage, from a talker streamed from the thinker (its
-    one piece, and the llm's outputs) or after it (its own)."""
-    if "pieces" not in inputs:
-        return inputs
+    """A whole reply's code2wav inputs: the codes (the talker's one piece), the thinker's choices and usage."""
     thinker = inputs["llm"]
     if not inputs["pieces"]:
         raise StageError("internal_error", "the talker ended without its reply")
@@ -98,7 +95,6 @@ class Code2WavStage(Stage):
 def streamed_reply3(outputs: dict[str, Any]) -> dict[str, Any]:
     """A streamed spoken request's outputs (its chunks' pieces, the talker's) as a whole one's: choices, usage, the
     chunks' audio joined, the sample rate."""
-    talker = outputs["talker"]
-    thinker = talker.get("llm", talker)  # streamed from the thinker, or after it
+    thinker = outputs["talker"]["llm"]
     audio = torch.cat([torch.zeros(0), *(piece["audio"] for piece in outputs["pieces"])])
     return {"choices": thinker["choices"], "usage": thinker["usage"], "audio": audio, "sample_rate": SAMPLE_RATE}

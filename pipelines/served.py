@@ -251,16 +251,15 @@ class ServedVLM(ServedChat):
     def _spoken(self, nodes: tuple[Node, ...], before: tuple[str, ...], speech: SpeechOutput) -> StageGraph:
         """`nodes` (up to the thinker's llm), then the speech half. Qwen2.5-Omni: the talker streamed from the
         thinker (it starts at the thinker's first token), then token2wav's DiT and the vocoder, after it for a whole
-        reply, or streamed from it chunk by chunk. Qwen3-Omni: the talker streamed from the thinker for a text prompt,
-        after the thinker's reply (and `before`, the nodes of the prompt's media) otherwise; then code2wav after it,
-        or streamed from it chunk by chunk (a node named `vocoder`, as Qwen2.5-Omni's chunks are told, on the
-        code2wav pool)."""
+        reply, or streamed from it chunk by chunk. Qwen3-Omni: the talker streamed from the thinker too, reading
+        `before` (the nodes of the prompt's media, done before the thinker starts); then code2wav after it, or
+        streamed from it chunk by chunk (a node named `vocoder`, as Qwen2.5-Omni's chunks are told, on the code2wav
+        pool)."""
         model = self.model
         assert isinstance(model, VLMChatModel)
         if isinstance(model.voice, Omni3Voice):
             pool = f"{self.name}/talker"
-            talker3 = Node("talker", pool, (*before, "llm")) if before else \
-                Node("talker", pool, stream=Stream("llm", self.talker3.feed))
+            talker3 = Node("talker", pool, before, stream=Stream("llm", self.talker3.feed))
             if not speech.stream:
                 return StageGraph((*nodes, talker3, Node("code2wav", f"{self.name}/code2wav", ("talker",),
                                                          prepare=talked3)), "code2wav")

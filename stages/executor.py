@@ -185,8 +185,9 @@ class GraphExecutor:
         pool = self.pools[stream.node.pool]
         if pieces and pieces[0] == 0:
             self._count_node(run, name, stream.node.pool)
+        read = {k: v for dep in stream.node.after for k, v in run.state.outputs.get(dep, {}).items()}
         for i in pieces:
-            inputs = {**run.inputs, **stream.node.params, **stream.pieces[i]}
+            inputs = {**run.inputs, **stream.node.params, **read, **stream.pieces[i]}
             route = lambda kind, data, i=i: stream.emit(i, kind, data)  # noqa: E731
             pool.put(WorkItem(run.state, name, inputs, piece=i, route=route, trace=self._node_trace(run)))
 

@@ -61,16 +61,21 @@ class StageGraph:
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate node names in graph: {names}")
         known: set[str] = set()
+        upstream: dict[str, set[str]] = {}  # node -> every node it waits for or streams from, transitively
         for node in self.nodes:  # nodes are listed in an order where deps come first
             missing = [d for d in node.after if d not in known]
             if node.stream is not None:
-                if node.after:  # its pieces read the request's inputs and their own; nothing waits for `after`
-                    raise ValueError(f"node {node.name!r} streams from {node.stream.source!r}; it cannot also "
-                                     f"wait for {list(node.after)}")
                 if node.stream.source not in known:
                     missing = [node.stream.source]
+                # Its pieces read the request's inputs, their own, and `after` nodes' outputs: only nodes its source
+                # waits for, done before the source's first delta, so nothing waits for them.
+                elif not set(node.after) <= upstream[node.stream.source]:
+                    raise ValueError(f"node {node.name!r} streams from {node.stream.source!r}; it can read only nodes "
+                                     f"that {node.stream.source!r} waits for, not {list(node.after)}")
             if missing:
                 raise ValueError(f"node {node.name!r} depends on {missing}, which are not listed before it")
+            deps = (*node.after, *((node.stream.source,) if node.stream is not None else ()))
+            upstream[node.name] = set(deps).union(*(upstream[d] for d in deps))
             known.add(node.name)
         if self.output not in known:
             raise ValueError(f"output node {self.output!r} is not in the graph")

@@ -234,9 +234,37 @@ def test_fan_out_then_fan_in(stop):
     assert events[-1].data["outputs"] == {"d": ["b", "c"]}  # d read both branches
 
 
+class Heard(Stage):
+    """A piece's phrase and the `prefix` an upstream node (not its stream's source) wrote: outputs {"heard"}."""
+
+    def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        return [{"heard": f"{item.inputs['prefix']}{item.inputs['phrase']}"} for item in items]
+
+
+class Prefix(Stage):
+    def run_batch(self, items: list[WorkItem]) -> list[dict[str, Any]]:
+        return [{"prefix": "> ", "text": item.inputs["text"]} for item in items]
+
+
+def test_a_streamed_node_reads_what_its_source_waited_for(stop):
+    """A streamed node may read nodes its stream's source waits for (done before the source's first delta): its
+    pieces carry their outputs, as Qwen3-Omni's talker reads the prompt's media features while streaming."""
+    ex = GraphExecutor()
+    for name, stage in (("prefix", Prefix()), ("words", Words()), ("heard", Heard())):
+        ex.add_pool(name, stage, PoolConfig())
+    ex.start()
+    stop(ex)
+    graph = StageGraph((Node("prefix", "prefix"), Node("talk", "words", ("prefix",)),
+                        Node("heard", "heard", ("prefix",), stream=Stream("talk", Sentences))), "heard")
+    handle = ex.submit(graph, {"text": "One two. Three."})
+    assert [p["heard"] for p in handle.result(timeout=30)["pieces"]] == ["> One two.", "> Three."]
+
+
 def test_graph_shapes_are_checked():
-    with pytest.raises(ValueError, match="cannot also wait"):
+    with pytest.raises(ValueError, match="can read only nodes that 'a' waits for"):
         StageGraph((Node("a", "a"), Node("b", "b", ("a",), stream=Stream("a", Sentences))), "b")
+    with pytest.raises(ValueError, match="can read only nodes that 'a' waits for"):
+        StageGraph((Node("x", "x"), Node("a", "a"), Node("b", "b", ("x",), stream=Stream("a", Sentences))), "b")
     with pytest.raises(ValueError, match="not listed before"):
         StageGraph((Node("b", "b", stream=Stream("a", Sentences)), Node("a", "a")), "a")
     ex = GraphExecutor()

@@ -6,7 +6,7 @@ prompt's positions from the thinker's own rope index. Greedy answers equal trans
 batched. A checkpoint whose vision tower has deepstack mergers (as the released ones do) is served without image
 input, and says so naming the field.
 
-Speech out: the talker (its code predictor inside; streamed from the thinker for a text prompt, after it for a
+Speech out: the talker (its code predictor inside; streamed from the thinker, reading the encoders' features for a
 prompt with media) stepping every reply in one forward, then code2wav. For the same seed the reply's tokens and codes
 equal `generate()`'s after `torch.manual_seed(seed)`, alone and batched, and the waveform too (alone bit for bit;
 checked at 1e-5: a wrong code moves it by more than 1e-2); the talker's forwards read what `generate()`'s read. A
@@ -258,6 +258,26 @@ def test_spoken_replies_equal_generate(engine, spoken_reference):
     assert_same_speech(results[0], spoken_reference(theirs, 3, "chelsie"))
     assert_same_speech(results[1], spoken_reference(text, 4))
     assert "audio" not in results[2] and tokens(results[2]) == spoken_reference(text, 4)[0]
+
+
+def test_a_prompt_with_media_is_spoken_while_the_thinker_writes(engine, spoken_reference):
+    """The talker streams from the thinker for a prompt with audio too: it joins at the thinker's first token, with
+    the encoders' features (done before the thinker started) for its media rows; the reply still equals generate()."""
+    wav, samples = clip(1.0, 21)
+    ours = [{"role": "user", "content": [audio_part(wav), {"type": "text", "text": "and then?"}]}]
+    theirs = [{"role": "user", "content": [{"type": "audio", "audio": samples}, {"type": "text", "text": "and then?"}]}]
+    thinker, thinker_at_talker, final = 0, None, None
+    for event in speak(engine, ours, SpeechOutput("ethan", 5, stream=True)).events(timeout=120):
+        if event.kind is EventKind.DELTA and event.stage == "llm":
+            thinker += 1
+        elif event.kind is EventKind.STAGE_STARTED and event.stage == "talker":
+            thinker_at_talker = thinker
+        elif event.kind is EventKind.FINAL:
+            final = event.data["outputs"]
+    ids, whole, _ = spoken_reference(theirs, 5)
+    assert thinker_at_talker == 1 and thinker == len(ids) > 1  # joined at the first token, not after the reply
+    assert final is not None and final["choices"][0]["token_ids"] == ids
+    torch.testing.assert_close(final["audio"], whole, rtol=0, atol=1e-4)
 
 
 def recorded(module: torch.nn.Module) -> tuple[list[dict], Any]:
