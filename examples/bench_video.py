@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_images import _batch_sizes, _free_port, _wait_ready, compare_runs, loadavg, measured  # noqa: E402
 
-FAMILIES = ("wan", "ltx", "cogvideox", "hunyuan_video", "ltx2")  # text-to-video demo checkpoints (pipelines/demo)
+FAMILIES = ("wan", "ltx", "cogvideox", "hunyuan_video", "hunyuan_video15", "ltx2")  # text-to-video demo checkpoints
 # How often the client asks after its jobs: one GET /v1/videos for all of them (each request costs the server CPU
 # the jobs would use, and a job's completion is seen up to this late).
 POLL_S = 0.05

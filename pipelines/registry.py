@@ -14,10 +14,12 @@ FAMILIES = {
     "flux": "pipelines.families.flux:FluxFamily",
     "flux_kontext": "pipelines.families.flux_kontext:FluxKontextFamily",
     "flux2": "pipelines.families.flux2:Flux2Family",
+    "flux2_klein": "pipelines.families.flux2_klein:Flux2KleinFamily",
     "wan": "pipelines.families.wan:WanFamily",  # video (pipelines/video.py)
     "ltx": "pipelines.families.ltx:LTXFamily",
     "cogvideox": "pipelines.families.cogvideox:CogVideoXFamily",
     "hunyuan_video": "pipelines.families.hunyuan_video:HunyuanVideoFamily",
+    "hunyuan_video15": "pipelines.families.hunyuan_video15:HunyuanVideo15Family",
     "ltx2": "pipelines.families.ltx2:LTX2Family",
     "qwen_image": "pipelines.families.qwen_image:QwenImageFamily",
     "sana": "pipelines.families.sana:SanaFamily",
@@ -63,12 +65,14 @@ CLASS_NAMES = {
     "FluxPipeline": "flux", "FluxImg2ImgPipeline": "flux", "FluxInpaintPipeline": "flux",
     "FluxKontextPipeline": "flux_kontext",
     "Flux2Pipeline": "flux2",
+    "Flux2KleinPipeline": "flux2_klein",
     "QwenImagePipeline": "qwen_image", "QwenImageEditPipeline": "qwen_image", "QwenImageEditPlusPipeline": "qwen_image",
     "SanaPipeline": "sana",
     "ZImagePipeline": "z_image",
     "WanPipeline": "wan", "WanImageToVideoPipeline": "wan", "LTXPipeline": "ltx", "LTXImageToVideoPipeline": "ltx",
     "CogVideoXPipeline": "cogvideox", "CogVideoXImageToVideoPipeline": "cogvideox",
     "HunyuanVideoPipeline": "hunyuan_video",
+    "HunyuanVideo15Pipeline": "hunyuan_video15", "HunyuanVideo15ImageToVideoPipeline": "hunyuan_video15",
     "LTX2Pipeline": "ltx2",
 }
 

@@ -134,8 +134,8 @@ from stages.tracing import TRACING_MODES
 log = logging.getLogger(__name__)
 DEFAULT_DEMO_DIR = Path("~/.cache/mmserve/demo")
 DEFAULT_DATA_DIR = Path("~/.local/share/mmserve")
-IMAGE_DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit_plus",
-                       "sana", "z_image")
+IMAGE_DEMO_FAMILIES = ("sd", "sdxl", "sd3", "flux", "flux_kontext", "flux2", "flux2_klein", "qwen_image",
+                       "qwen_image_edit_plus", "sana", "z_image")
 IMAGE_DEMO_ENGINE_FAMILIES = {"qwen_image_edit_plus": "qwen_image"}  # a demo served by another family's code
 CHAT_DEMO_FAMILIES = ("llama",)  # served as "llama-demo", family causal-lm (chat and completions)
 # "clip-demo": a tiny random CLIP (image and text embeddings); "minilm-demo": the real all-MiniLM-L6-v2
@@ -156,6 +156,7 @@ DEMO_FAMILIES += ASR_DEMO_FAMILIES
 # Video (pipelines/demo/video.py): "wan-demo" (text-to-video), "wan-i2v-demo" (image-to-video), "ltx-demo" (both).
 VIDEO_DEMO_FAMILIES = {"wan": "wan", "wan-i2v": "wan", "ltx": "ltx", "cogvideox": "cogvideox",
                        "cogvideox-i2v": "cogvideox", "hunyuan_video": "hunyuan_video",
+                       "hunyuan_video15": "hunyuan_video15", "hunyuan_video15-i2v": "hunyuan_video15",
                        "ltx2": "ltx2"}  # demo family -> engine family
 DEMO_FAMILIES += tuple(VIDEO_DEMO_FAMILIES)
 DEMO_VIDEO = VideoConfig(default_size=(64, 64), default_frames=17)  # not the pipelines' 832x480x81: CPU-sized

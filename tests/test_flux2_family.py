@@ -63,14 +63,14 @@ def test_family_and_tasks(engine):
 
 def test_klein_is_not_this_family(flux2_path, tmp_path):
     """A Flux2Pipeline checkpoint is flux2; FLUX.2 [klein] (Flux2KleinPipeline: a Qwen3 encoder, true CFG with a
-    negative prompt, no embedded guidance) goes to the diffusers fallback, not into this family's loop."""
+    negative prompt, no embedded guidance) is its own family (tests/test_family_flux2_klein.py)."""
     import json
 
-    from pipelines.registry import DIFFUSERS_FALLBACK, detect_family
+    from pipelines.registry import detect_family
 
     assert detect_family(flux2_path) == "flux2"
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
-    assert detect_family(str(tmp_path)) == DIFFUSERS_FALLBACK
+    assert detect_family(str(tmp_path)) == "flux2_klein"
 
 
 @pytest.mark.parametrize("guidance", [4.0, 2.5])

@@ -14,6 +14,7 @@ Default image size (what a pipeline makes when no height/width is given):
     flux    tiny   4                 512 x 512     16 x 128 x 128
     flux_kontext  (flux's components, saved as a FluxKontextPipeline)
     flux2   tiny   4                 512 x 512     128 x 64 x 64  (patchified 2x2; pipelines/demo/flux2.py)
+    flux2_klein  (flux2's sizes and a Qwen3 encoder, saved as a Flux2KleinPipeline: true CFG)
     qwen_image  tiny  4                 512 x 512     4 x 1 x 128 x 128   (pipelines/demo/qwen_image.py)
     qwen_image_edit  (qwen_image's components and the Qwen2.5-VL processor, saved as a QwenImageEditPipeline)
     qwen_image_edit_plus  (the same, saved as a QwenImageEditPlusPipeline: edits of one or several images)
@@ -44,8 +45,9 @@ import torch
 from pipelines.demo.audio_chat import build_qwen2_audio
 from pipelines.demo.cogvideox import build_cogvideox
 from pipelines.demo.embedding import build_clip_model
-from pipelines.demo.flux2 import build_flux2
+from pipelines.demo.flux2 import build_flux2, build_flux2_klein
 from pipelines.demo.hunyuan_video import build_hunyuan_video
+from pipelines.demo.hunyuan_video15 import build_hunyuan_video15
 from pipelines.demo.llm import build_chat_model
 from pipelines.demo.ltx2 import build_ltx2
 from pipelines.demo.omni import build_qwen2_5_omni
@@ -61,18 +63,19 @@ from pipelines.demo.z_image import build_z_image
 FAMILIES = ("sd", "sdxl", "sd3", "flux")  # diffusion pipelines
 CHAT_FAMILIES = ("llama", "qwen2")  # causal LMs (chat); "qwen2" is built on request, not by default
 SCALES = {"sd": ("tiny", "small"), "sdxl": ("tiny",), "sd3": ("tiny",), "flux": ("tiny",), "flux_kontext": ("tiny",),
-          "flux2": ("tiny",),
+          "flux2": ("tiny",), "flux2_klein": ("tiny",),
           "qwen_image": ("tiny",), "qwen_image_edit": ("tiny",), "qwen_image_edit_plus": ("tiny",),
           "sana": ("tiny",), "z_image": ("tiny",),
           "llama": ("tiny", "small"), "qwen2": ("tiny",), "clip": ("tiny",), "llava": ("tiny",),
           "qwen2_5_vl": ("tiny",), "qwen2_vl": ("tiny",), "vits": ("tiny", "small"), "speecht5": ("tiny",),
           "whisper": ("tiny",), "whisper-en": ("tiny",), "whisper-tiny-en": ("tiny",), "cogvideox": ("tiny",),
           "cogvideox-i2v": ("tiny",),
-          "hunyuan_video": ("tiny",), "ltx2": ("tiny",),
+          "hunyuan_video": ("tiny",), "hunyuan_video15": ("tiny",), "hunyuan_video15-i2v": ("tiny",), "ltx2": ("tiny",),
           "wan": ("tiny",), "wan-i2v": ("tiny",), "ltx": ("tiny",), "qwen2_audio": ("tiny",), "qwen2_5_omni": ("tiny",),
           "qwen3_omni": ("tiny",)}
 # text/image-to-video (demo/*.py)
-VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx", "cogvideox", "cogvideox-i2v", "hunyuan_video", "ltx2")
+VIDEO_FAMILIES = ("wan", "wan-i2v", "ltx", "cogvideox", "cogvideox-i2v", "hunyuan_video", "hunyuan_video15",
+                  "hunyuan_video15-i2v", "ltx2")
 VLM_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl")  # vision-language chat (pipelines/demo/vlm.py); qwen2_vl on request
 AUDIO_CHAT_FAMILIES = ("qwen2_audio", "qwen2_5_omni", "qwen3_omni")  # audio-language chat (demo/audio_chat.py, omni*)
 STAMP_FILE = "mmserve_demo.json"  # {family, seed, scale, recipe}: what this directory holds
@@ -329,6 +332,7 @@ def _build_flux_kontext(seed: int, scale: str):
 _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _build_flux,
              "flux_kontext": _build_flux_kontext,
              "flux2": build_flux2,  # pipelines/demo/flux2.py
+             "flux2_klein": build_flux2_klein,  # the same file: a Flux2KleinPipeline
              "qwen_image": build_qwen_image,  # pipelines/demo/qwen_image.py
              "qwen_image_edit": build_qwen_image_edit,  # pipelines/demo/qwen_image.py
              "qwen_image_edit_plus": build_qwen_image_edit_plus,  # pipelines/demo/qwen_image.py
@@ -351,6 +355,8 @@ _BUILDERS = {"sd": _build_sd, "sdxl": _build_sdxl, "sd3": _build_sd3, "flux": _b
              "cogvideox": build_cogvideox,  # pipelines/demo/cogvideox.py: CogVideoXPipeline
              "cogvideox-i2v": lambda seed, scale: build_cogvideox(seed, scale, image_to_video=True),
              "hunyuan_video": build_hunyuan_video,  # pipelines/demo/hunyuan_video.py: HunyuanVideoPipeline
+             "hunyuan_video15": build_hunyuan_video15,  # pipelines/demo/hunyuan_video15.py: HunyuanVideo15Pipeline
+             "hunyuan_video15-i2v": lambda seed, scale: build_hunyuan_video15(seed, scale, image_to_video=True),
              "ltx2": build_ltx2,  # pipelines/demo/ltx2.py: LTX2Pipeline (audio and video)
              # audio-language chat (pipelines/demo/audio_chat.py): Qwen2-Audio, a 10 s encoder window
              "qwen2_audio": lambda seed, scale: build_qwen2_audio(seed),

@@ -9,6 +9,12 @@ a tiny Mistral3ForConditionalGeneration (Pixtral vision tower and a 30-layer Mis
 states 10, 20 and 30) with a PixtralProcessor over the demo's byte-level BPE tokenizer (pipelines/demo/llm.py) and
 a chat template that reads the pipeline's system + user messages, and FLUX.2's FlowMatchEulerDiscreteScheduler
 config (dynamic shifting: the pipeline passes its empirical mu). Outputs are noise; the code path is the real one.
+
+    flux2_klein  tiny  the same sizes (Flux2KleinPipeline)
+
+FLUX.2 [klein]'s layout: the same transformer (no guidance embedder), VAE and scheduler, the text encoder a tiny
+Qwen3ForCausalLM of 27 layers (the pipeline stacks hidden states 9, 18 and 27) over the demo's byte-level BPE chat
+tokenizer (its chat template ignores `enable_thinking`), `is_distilled` False: true CFG with a negative prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ CHAT_TEMPLATE = (
 
 
 def build_flux2(seed: int = 0, scale: str = "tiny"):
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import Flux2Pipeline
     from transformers import (
         Mistral3Config,
         Mistral3ForConditionalGeneration,
@@ -56,13 +62,40 @@ def build_flux2(seed: int = 0, scale: str = "tiny"):
     )
     torch.manual_seed(seed)
     text_encoder = Mistral3ForConditionalGeneration(config).eval()
+    return Flux2Pipeline(tokenizer=processor, text_encoder=text_encoder,
+                         **_image_components(seed, text_hidden=hidden, guidance_embeds=True))
+
+
+def build_flux2_klein(seed: int = 0, scale: str = "tiny"):
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pipelines.demo.llm import chat_tokenizer
+
+    tokenizer = chat_tokenizer()
+    hidden = 16
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=32, num_hidden_layers=27,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    text_encoder = Qwen3ForCausalLM(config).eval()
+    return Flux2KleinPipeline(tokenizer=tokenizer, text_encoder=text_encoder, is_distilled=False,
+                              **_image_components(seed, text_hidden=hidden, guidance_embeds=False))
+
+
+def _image_components(seed: int, *, text_hidden: int, guidance_embeds: bool) -> dict[str, Any]:
+    """The transformer, VAE and scheduler both layouts share; the transformer reads three stacked hidden states of
+    a `text_hidden`-wide encoder and embeds the guidance or not."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
     latent_channels = 32
     torch.manual_seed(seed)
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=latent_channels * 4, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=3 * hidden,  # three stacked hidden states of the encoder
+        num_attention_heads=2, joint_attention_dim=3 * text_hidden,  # three stacked hidden states of the encoder
         timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
-        guidance_embeds=True,
+        guidance_embeds=guidance_embeds,
     )
     torch.manual_seed(seed)
     vae: Any = AutoencoderKLFlux2(  # Any: mypy sees diffusers' lazy exports as dummies (no `bn`)
@@ -78,5 +111,4 @@ def build_flux2(seed: int = 0, scale: str = "tiny"):
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
                                                 base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                                                 max_image_seq_len=4096, time_shift_type="exponential")
-    return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor,
-                         transformer=transformer)
+    return {"scheduler": scheduler, "vae": vae, "transformer": transformer}

@@ -22,20 +22,29 @@ LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
 LLAMA_VOCAB = 572  # the BPE size at which the template's system part is crop_start (95) tokens (checked below)
 
 
-def llama_tokenizer():
-    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def prefix_bpe(system_text: str, specials: list[str], vocab_size: int):
+    """A byte-level BPE (a `tokenizers.Tokenizer`) trained on the demo corpus and a prompt template's system text, so
+    that at the right `vocab_size` the template's prefix is exactly the pipeline's crop_start tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    template = DEFAULT_PROMPT_TEMPLATE["template"]
-    system_text = re.sub(r"<\|[a-z_]+\|>", " ", template.replace("{}", ""))
     tok = Tokenizer(models.BPE())
     # no regex split: merges may cross words, which lets the template's prefix shrink to crop_start tokens
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=LLAMA_VOCAB, special_tokens=LLAMA_SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([*_CORPUS, system_text], trainer)
+    return tok
+
+
+def llama_tokenizer():
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    template = DEFAULT_PROMPT_TEMPLATE["template"]
+    system_text = re.sub(r"<\|[a-z_]+\|>", " ", template.replace("{}", ""))
+    tok = prefix_bpe(system_text, LLAMA_SPECIALS, LLAMA_VOCAB)
     tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
                                                        special_tokens=[("<|begin_of_text|>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",

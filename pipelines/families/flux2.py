@@ -23,9 +23,9 @@ double-stream blocks before them return a (text, image) pair and take two modula
 machinery's one-format stacks cannot hold together, so they always run and the single-stream stack is the one
 skipped (48 of FLUX.2-dev's 56 blocks).
 
-FLUX.2 [klein] is another layout (Flux2KleinPipeline: a Qwen3 causal LM and its tokenizer, hidden states 9, 18, 27,
-true CFG with a negative prompt in two forwards, no embedded guidance, `is_distilled` in its config): not this
-family's; detection sends it to the diffusers fallback.
+FLUX.2 [klein] (Flux2KleinPipeline: a Qwen3 encoder and true CFG) is the subclass in flux2_klein.py; the hooks it
+turns are `embeds_guidance`, `no_cfg_reason` and `uses_negative` (the conditioning, forward and commit below take a
+[negative x n, prompt x n] CFG batch when a request has one).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class Flux2Family(PackedLatents, ImageFamily):
     default_steps = 50  # Flux2Pipeline.__call__ num_inference_steps
     default_guidance = 4.0  # its guidance_scale: the embedded guidance, not CFG
     request_knobs = frozenset({"max_sequence_length"})
+    embeds_guidance = True  # guidance_scale is a transformer input (Flux2Pipeline passes `guidance`)
 
     @property
     def several_images(self) -> bool:
@@ -71,9 +72,10 @@ class Flux2Family(PackedLatents, ImageFamily):
         return int(request.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
 
     def validate(self, request: ImageRequest, limits: ImageLimits) -> ImageRequest:
-        if request.negative_prompt is not None:
-            raise RequestError("negative_prompt", f"model {self.name} ({self.family}) takes no negative_prompt: "
-                                                  "FLUX.2 embeds its guidance (guidance_scale) and runs no CFG")
+        reason = self.no_cfg_reason()
+        if request.negative_prompt is not None and reason is not None:
+            raise RequestError("negative_prompt",
+                               f"model {self.name} ({self.family}) takes no negative_prompt: {reason}")
         refs = self.references(request)
         for image in refs:
             width, height = image.size
@@ -95,11 +97,15 @@ class Flux2Family(PackedLatents, ImageFamily):
                                f"got {msl!r}")
         return request
 
+    def no_cfg_reason(self) -> str | None:
+        """Why this model runs no CFG (a negative prompt is refused, naming it); None: it takes one."""
+        return "FLUX.2 embeds its guidance (guidance_scale) and runs no CFG"
+
     def uses_negative(self, request: ImageRequest) -> bool:
         return False  # no CFG: guidance_scale is a transformer input
 
     def request_rows(self, request: ImageRequest) -> int:
-        return request.n  # one row per image whatever the guidance
+        return request.n * (2 if self.uses_negative(request) else 1)  # FLUX.2: one row per image whatever the guidance
 
     @staticmethod
     def references(request: ImageRequest) -> list[Image.Image]:
@@ -150,8 +156,10 @@ class Flux2Family(PackedLatents, ImageFamily):
 
     def conditioning(self, prompt: dict, negative: dict | None, request: ImageRequest) -> dict[str, Any]:
         embeds = prompt["embeds"].repeat(request.n, 1, 1)  # as encode_prompt's num_images_per_prompt
+        if negative is not None:  # true CFG (klein): [negative x n, prompt x n]; both padded to one length
+            embeds = torch.cat([negative["embeds"].repeat(request.n, 1, 1), embeds])
         text_ids = Flux2Pipeline._prepare_text_ids(embeds[:1]).to(self.device)  # [1, L, 4]: shared by every row
-        return {"embeds": embeds, "text_ids": text_ids, "cfg": False}
+        return {"embeds": embeds, "text_ids": text_ids, "cfg": negative is not None}
 
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -188,9 +196,11 @@ class Flux2Family(PackedLatents, ImageFamily):
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
         scheduler.set_begin_index(0)
 
-        # 2.4 the embedded guidance, one value per row
+        # 2.4 the embedded guidance, one value per row (None: klein passes none)
         assert req.guidance_scale is not None  # validate() filled it
-        guidance = torch.full([1], req.guidance_scale, device=self.device, dtype=torch.float32).expand(req.n)
+        guidance = None
+        if self.embeds_guidance:
+            guidance = torch.full([1], req.guidance_scale, device=self.device, dtype=torch.float32).expand(req.n)
         ids = latent_ids[:1] if image_ids is None else torch.cat([latent_ids[:1], image_ids], dim=1)
         refs_key = tuple(tuple(r.shape[-2:]) for r in refs)
         item.state.update(scheduler=scheduler, timesteps=timesteps, total=len(timesteps), latents=latents,
@@ -212,6 +222,7 @@ class Flux2Family(PackedLatents, ImageFamily):
         for item in items:
             s = item.state
             x = s["latents"] if s["image_latents"] is None else torch.cat([s["latents"], s["image_latents"]], dim=1)
+            x = torch.cat([x] * 2) if item.inputs["cond"]["cfg"] else x  # [rows, L (+ L_ref), 4C]
             hidden.append(x.to(dtype))
             t = s["timesteps"][s["i"]]
             timesteps.append(t.expand(x.shape[0]).to(s["latents"].dtype))  # per sample: items sit at different steps
@@ -220,7 +231,8 @@ class Flux2Family(PackedLatents, ImageFamily):
             sizes.append(x.shape[0])
         first = items[0]
         batched = {"hidden_states": torch.cat(hidden), "timestep": torch.cat(timesteps) / 1000,
-                   "guidance": torch.cat(guidance), "encoder_hidden_states": torch.cat(embeds)}
+                   "guidance": torch.cat(guidance) if self.embeds_guidance else None,
+                   "encoder_hidden_states": torch.cat(embeds)}
         shared = {"txt_ids": first.inputs["cond"]["text_ids"], "img_ids": first.state["image_ids"]}
         out = self.denoise("transformer", items, sizes, batched, shared)
         # the noise tokens' predictions only (the references' come to nothing)
@@ -228,8 +240,9 @@ class Flux2Family(PackedLatents, ImageFamily):
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
-        s = item.state
-        s["latents"] = self.scheduler_step(item, model_output, 1.0, s["latents"])
+        s, req = item.state, item.inputs["request"]
+        scale = req.guidance_scale if item.inputs["cond"]["cfg"] else 1.0  # true CFG's scale (klein); else unused
+        s["latents"] = self.scheduler_step(item, model_output, scale, s["latents"])
         s["i"] += 1
 
     # -- speed-ups ----------------------------------------------------------------------------

@@ -11,9 +11,10 @@ Guidance: guidance_scale is the distilled guidance the transformer embeds, one f
 unconditional forward) runs only as diffusers runs it: request.true_cfg_scale > 1 (default 1.0) with a negative
 prompt; the two halves are one batched forward here, noise = neg + true_cfg_scale * (cond - neg).
 
-Not served: HunyuanVideo 1.5 (HunyuanVideo15Pipeline: a Qwen2.5-VL + ByT5 text stack, a different transformer and
-VAE, and a cond-latent layout) and HunyuanVideoImageToVideoPipeline / HunyuanVideoFramepackPipeline; prompt_2
-(diffusers' encode_prompt gives CLIP `prompt` either way), custom sigmas and prompt templates.
+HunyuanVideo 1.5 (a Qwen2.5-VL + ByT5 text stack, a different transformer and VAE, and a cond-latent layout) is its
+own family, pipelines/families/hunyuan_video15.py. Not served: HunyuanVideoImageToVideoPipeline /
+HunyuanVideoFramepackPipeline; prompt_2 (diffusers' encode_prompt gives CLIP `prompt` either way), custom sigmas and
+prompt templates.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class HunyuanVideoFamily(VideoFamily):
     max_sequence_length = 256  # Llama tokens after the crop
     prompt_template: dict[str, Any] = DEFAULT_PROMPT_TEMPLATE  # __call__'s (Llama 3 chat headers, crop_start 95)
     clip_sequence_length = 77
+    cond_keys = ("embeds", "mask", "pooled")  # [negative, prompt] rows with true CFG
 
     @property
     def size_factor(self) -> int:
@@ -98,13 +100,6 @@ class HunyuanVideoFamily(VideoFamily):
                                               max_sequence_length=self.clip_sequence_length)
         # [1, 256, D], [1, 256], [1, D_clip]
         return {"embeds": embeds.to(dtype), "mask": mask.to(dtype), "pooled": pooled.to(dtype)}
-
-    def conditioning(self, prompt: dict, negative: dict | None, request: VideoRequest) -> dict[str, Any]:
-        """[negative, prompt] rows with true CFG (base.guide's (uncond, cond) order), else the prompt's alone."""
-        rows = [negative, prompt] if negative is not None else [prompt]
-        cond: dict[str, Any] = {k: torch.cat([r[k] for r in rows]) for k in ("embeds", "mask", "pooled")}
-        cond["cfg"] = negative is not None
-        return cond
 
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -164,9 +159,7 @@ class HunyuanVideoFamily(VideoFamily):
     def cache_spec(self, key: str, module) -> CacheSpec:
         # dual- then single-stream blocks, both -> (video, text); the dual blocks get the rotary positionally as
         # `freqs_cis` ([tokens, D], the same for every row)
-        return CacheSpec(key, self.repeated_blocks(module), encoder="encoder_hidden_states", out_hidden=0,
-                         out_encoder=1, indicator=functools.partial(norm1_indicator, module.transformer_blocks[0]),
-                         shared=frozenset({"freqs_cis"}))
+        return dual_stream_cache_spec(key, self.repeated_blocks(module))
 
     @torch.inference_mode()
     def commit(self, item: WorkItem, model_output: torch.Tensor) -> None:
@@ -179,5 +172,16 @@ class HunyuanVideoFamily(VideoFamily):
     # -- 4. decode ---------------------------------------------------------------------------
     def latents_to_video(self, latents: torch.Tensor, items: list[WorkItem]) -> torch.Tensor:
         """[B, C, F, h, w] latents -> [B, 3, frames, H, W]."""
-        vae = self.pipe.vae
-        return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        return decode_hunyuan_latents(self.pipe.vae, latents)
+
+
+def dual_stream_cache_spec(key: str, blocks: tuple) -> CacheSpec:
+    """Step caching of HunyuanVideo's (and 1.5's) blocks: each -> (video, text), the first's norm1 the TeaCache input,
+    the rotary passed positionally as `freqs_cis` ([tokens, D], the same for every row)."""
+    return CacheSpec(key, blocks, encoder="encoder_hidden_states", out_hidden=0, out_encoder=1,
+                     indicator=functools.partial(norm1_indicator, blocks[0]), shared=frozenset({"freqs_cis"}))
+
+
+def decode_hunyuan_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The HunyuanVideo pipelines' decode (1.0 and 1.5): [B, C, F, h, w] latents / scaling_factor -> [B, 3, T, H, W]."""
+    return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]

@@ -9,7 +9,7 @@ transformer (its RoPE interpolation scale), so it is part of the denoise batch k
 from __future__ import annotations
 
 import functools
-from typing import Any, Hashable
+from typing import Hashable
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from diffusers import LTXImageToVideoPipeline, LTXPipeline
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 
 from pipelines.families.video_base import VideoFamily
-from pipelines.video import VideoRequest, VideoTask
+from pipelines.video import VideoTask
 from stages.diffusion.block_stack import CacheSpec
 from stages.diffusion.step_cache import TEACACHE_COEFFICIENTS
 from stages.stage import WorkItem
@@ -35,6 +35,7 @@ class LTXFamily(VideoFamily):
     default_frames = 161
     default_fps = 25.0
     max_sequence_length = 128
+    cond_keys = ("embeds", "mask")  # [1, L, D], bool [1, L]
 
     @property
     def size_factor(self) -> int:
@@ -48,13 +49,6 @@ class LTXFamily(VideoFamily):
     def encode_text(self, text: str) -> dict[str, torch.Tensor]:
         embeds, mask = self.pipe._get_t5_prompt_embeds(text, 1, self.max_sequence_length, self.device)
         return {"embeds": embeds, "mask": mask}  # [1, L, D], bool [1, L]
-
-    def conditioning(self, prompt: dict, negative: dict | None, request: VideoRequest) -> dict[str, Any]:
-        embeds, mask = prompt["embeds"], prompt["mask"]
-        if negative is not None:  # [negative, prompt], as the pipelines concatenate them
-            embeds = torch.cat([negative["embeds"], embeds])
-            mask = torch.cat([negative["mask"], mask])
-        return {"embeds": embeds, "mask": mask, "cfg": negative is not None}
 
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()

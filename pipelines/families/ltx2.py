@@ -44,6 +44,7 @@ class LTX2Family(VideoFamily):
     default_frames = 121
     default_fps = 24.0
     max_sequence_length = 1024
+    cond_keys = ("video", "audio", "mask")  # the connectors' outputs, [negative, prompt] as __call__ orders them
     # the rest of __call__'s guidance, fixed per model (requests set guidance_scale only)
     audio_guidance_scale = 7.0
     stg_scale, audio_stg_scale = 1.0, 1.0
@@ -90,12 +91,6 @@ class LTX2Family(VideoFamily):
         embeds, mask = pipe._get_gemma_prompt_embeds(text, 1, self.max_sequence_length, device=self.device)
         video, audio, mask = pipe.connectors(embeds, mask, padding_side=getattr(pipe.tokenizer, "padding_side", "left"))
         return {"video": video, "audio": audio, "mask": mask}  # [1, L, D_video], [1, L, D_audio], [1, L]
-
-    def conditioning(self, prompt: dict, negative: dict | None, request: VideoRequest) -> dict[str, Any]:
-        rows = [negative, prompt] if negative is not None else [prompt]  # __call__'s [negative, prompt] order
-        cond: dict[str, Any] = {k: torch.cat([r[k] for r in rows]) for k in ("video", "audio", "mask")}
-        cond["cfg"] = negative is not None
-        return cond
 
     # -- 2. prepare ---------------------------------------------------------------------------
     @torch.inference_mode()

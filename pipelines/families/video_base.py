@@ -31,6 +31,7 @@ class VideoFamily(DiffusionFamily[VideoTask, VideoRequest]):
     default_frames: int = 81
     default_fps: float = 16.0
     max_sequence_length: int = 512
+    cond_keys: tuple[str, ...] = ("embeds",)  # the tensors of encode_text's dict that `conditioning` stacks
 
     def __init__(self, name: str, path: str, *, device: str = "cpu", dtype: str = "float32",
                  prompt_cache: EncoderCache | None = None, video: VideoConfig | None = None,
@@ -43,11 +44,12 @@ class VideoFamily(DiffusionFamily[VideoTask, VideoRequest]):
             self.pipe.vae.enable_slicing()
 
     def conditioning(self, prompt: dict, negative: dict | None, request: VideoRequest) -> dict[str, Any]:
-        """One video's text embeddings, [negative, prompt] with guidance (base.guide's (uncond, cond) order)."""
-        embeds = prompt["embeds"]
-        if negative is not None:
-            embeds = torch.cat([negative["embeds"], embeds])
-        return {"embeds": embeds, "cfg": negative is not None}
+        """One video's text tensors (cond_keys), [negative, prompt] rows with guidance (base.guide's (uncond, cond)
+        order, the pipelines' concatenation), else the prompt's alone."""
+        rows = [negative, prompt] if negative is not None else [prompt]
+        cond: dict[str, Any] = {k: torch.cat([r[k] for r in rows]) for k in self.cond_keys}
+        cond["cfg"] = negative is not None
+        return cond
 
     def enable_vae_tiling(self) -> None:
         """Decode in overlapping tiles, of the configured size (video.vae_tile) or the VAE's own."""
