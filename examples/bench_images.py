@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 GUIDANCE = 7.5  # CFG on, on both sides: every UNet forward has an unconditional and a conditional row
 # --families: image families with a tiny demo checkpoint (pipelines/demo) of the same name
-FAMILIES = ("sd", "sdxl", "sd3", "flux", "flux_kontext", "flux2", "qwen_image", "sana", "z_image")
+FAMILIES = ("sd", "sdxl", "sd3", "flux", "flux_kontext", "flux2", "flux2_klein", "qwen_image", "sana", "z_image")
 
 
 def _free_port() -> int:
