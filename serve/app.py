@@ -39,6 +39,8 @@ from serve.routes import (
     transcriptions,
     videos,
 )
+from serve.slow_consumers import DEFAULT_GRACE_S as DEFAULT_SLOW_CONSUMER_GRACE_S
+from serve.slow_consumers import DEFAULT_OUTBOX_BYTES, SlowConsumerMetrics, SlowConsumers
 from serve.tenants import Tenants
 from serve.tracing import LOG_FORMATS, RequestObserver
 from stages.redact import redact_loggers
@@ -54,10 +56,14 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
                job_policy: JobPolicy | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                admin_key: str | None = None, tenants: Tenants | None = None,
                drain_grace_s: float = DEFAULT_GRACE_S, tracing: Tracing | None = None,
-               log_format: str = "text") -> FastAPI:
+               log_format: str = "text", slow_consumer_grace_s: float = DEFAULT_SLOW_CONSUMER_GRACE_S,
+               slow_consumer_outbox_bytes: int = DEFAULT_OUTBOX_BYTES) -> FastAPI:
     """The HTTP app. `api_keys` maps key -> tenant; None or empty: no auth, every caller is tenant "default".
     `tenants` (serve/tenants.py) instead: the keys with each tenant's quotas, models and priority (serve/quota.py).
     `drain_grace_s`: how long a SIGTERM drain lets requests in flight finish (serve/drain.py).
+    `slow_consumer_grace_s`, `slow_consumer_outbox_bytes`: a streaming client (SSE, streamed audio, realtime
+    WebSocket) that takes no data for that long is cut and its request cancelled; what a stream buffers for it
+    (serve/slow_consumers.py).
     `max_body_bytes` caps JSON bodies; multipart bodies may hold the largest upload a route admits (an image
     edit's image and mask, a /v1/files upload) plus FORM_FIELDS_BYTES (serve/body_limit.py).
     `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists).
@@ -90,6 +96,8 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.state.tenants = tenants
     app.state.api_keys = tenants.keys
     app.state.drain = Drain(drain_grace_s, engine.metrics.part(DrainMetrics))
+    app.state.slow_consumers = SlowConsumers(slow_consumer_grace_s, slow_consumer_outbox_bytes,
+                                             engine.metrics.part(SlowConsumerMetrics))
     app.state.admin_key = admin_key
     app.state.image_store = image_store or ImageStore()
     app.state.max_upload_bytes = max_upload_bytes

@@ -157,12 +157,15 @@ def _serve(args) -> int:
     app = create_app(engine, tenants=tenants, data_dir=args.data_dir or server_cfg.data_dir,
                      job_policy=loaded.jobs, max_body_bytes=server_cfg.max_body_bytes,
                      admin_key=os.environ.get(ADMIN_KEY_ENV) or None, drain_grace_s=server_cfg.drain_grace_s,
-                     tracing=tracing, log_format=server_cfg.log_format)
+                     tracing=tracing, log_format=server_cfg.log_format,
+                     slow_consumer_grace_s=server_cfg.slow_consumer_grace_s,
+                     slow_consumer_outbox_bytes=server_cfg.slow_consumer_outbox_bytes)
     # SIGTERM drains first (serve/drain.py); what uvicorn then waits for is only what the drain left.
     # JSON logs: uvicorn's loggers go to the root's JSON handler, and the request lines replace its access lines.
     json_logs = {"log_config": None, "access_log": False} if server_cfg.log_format == "json" else {}
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, ws="auto", log_level=args.log_level,
                                            timeout_graceful_shutdown=5, **json_logs), app)
+    app.state.slow_consumers.connections = server.server_state.connections  # so a client that stops reading is reset
     failed = threading.Event()
 
     def load() -> None:  # in the background, so /health answers while weights load

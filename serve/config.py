@@ -12,6 +12,10 @@
     max_body_bytes = 16777216     # a JSON request body (413 request_too_large above); uploads: serve/body_limit.py
     drain_grace_s = 30            # on SIGTERM: /ready 503 and new requests 503 at once, requests in flight get this
                                   # long to finish, realtime sessions a `session.closing` (serve/drain.py)
+    slow_consumer_grace_s = 30    # a streaming client (SSE, streamed audio, realtime WebSocket) that takes no data
+                                  # for this long is cut: its request cancelled, its connection reset
+    slow_consumer_outbox_bytes = 1048576  # what a stream buffers ahead of a client that reads slowly
+                                  # (serve/slow_consumers.py)
     tracing = "off"               # "otlp": OpenTelemetry spans per request and per stage, exported over OTLP as the
                                   # standard OTEL_EXPORTER_OTLP_* environment says (endpoint, headers; protocol
                                   # "grpc" or HTTP/protobuf); "memory": kept in process (tests); stages/tracing.py
@@ -176,6 +180,8 @@ class ServerConfig:
     data_dir: Path = DEFAULT_DATA_DIR  # the job store (serve/jobs.py): jobs, uploaded files, results
     max_body_bytes: int = 16 * 2**20  # a JSON (non-multipart) request body; larger ones answer 413
     drain_grace_s: float = 30.0  # how long a SIGTERM drain lets requests in flight finish (serve/drain.py)
+    slow_consumer_grace_s: float = 30.0  # a streaming client taking no data this long is cut (serve/slow_consumers.py)
+    slow_consumer_outbox_bytes: int = 2**20  # what a stream buffers ahead of its client
     tracing: str = "off"  # "off", "otlp" (OTEL_EXPORTER_OTLP_* environment) or "memory": stages/tracing.py
     log_format: str = "text"  # "text" or "json" (a JSON line per log record and per HTTP request): serve/tracing.py
 
@@ -187,6 +193,14 @@ class ServerConfig:
         if isinstance(self.drain_grace_s, bool) or not isinstance(self.drain_grace_s, (int, float)) \
                 or not self.drain_grace_s > 0:
             raise ValueError(f"server.drain_grace_s must be a number of seconds > 0, got {self.drain_grace_s!r}")
+        if isinstance(self.slow_consumer_grace_s, bool) or not isinstance(self.slow_consumer_grace_s, (int, float)) \
+                or not self.slow_consumer_grace_s > 0:
+            raise ValueError("server.slow_consumer_grace_s must be a number of seconds > 0, got "
+                             f"{self.slow_consumer_grace_s!r}")
+        if isinstance(self.slow_consumer_outbox_bytes, bool) or not isinstance(self.slow_consumer_outbox_bytes, int) \
+                or self.slow_consumer_outbox_bytes < 1:
+            raise ValueError("server.slow_consumer_outbox_bytes must be a whole number of bytes >= 1, got "
+                             f"{self.slow_consumer_outbox_bytes!r}")
         if self.tracing not in TRACING_MODES:
             raise ValueError(f"server.tracing must be one of {TRACING_MODES}, got {self.tracing!r}")
         if self.log_format not in ("text", "json"):
@@ -315,7 +329,7 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
 
 def _server(table: dict[str, Any], base: Path) -> ServerConfig:
     _only(table, ("host", "port", "api_keys_file", "demo_dir", "data_dir", "max_body_bytes", "drain_grace_s",
-                 "tracing", "log_format"),
+                 "slow_consumer_grace_s", "slow_consumer_outbox_bytes", "tracing", "log_format"),
           "[server]")
     values = dict(table)
     if "api_keys_file" in values:

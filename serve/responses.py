@@ -2,7 +2,7 @@
 
 A client that goes away cancels its request: the JSON path watches for the disconnect while it
 waits, the SSE path cancels when its generator is closed or cancelled (Starlette does either
-when the socket drops).
+when the socket drops; serve/slow_consumers.py does when the client stops reading).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from serve.auth import tenant_of
 from serve.errors import error_body, http_status, stage_error_parts
 from serve.files import ImageStore
 from serve.schemas import ImageParams, size_string
+from serve.slow_consumers import stream_response
 from stages.events import EventKind, StageError
 from stages.request_state import RequestHandle, settled
 
@@ -38,8 +39,8 @@ async def respond(request: Request, handle: RequestHandle, params: ImageParams, 
     if params.stream:
         if settled_after is not None:
             await _passed(request, handle, settled_after)
-        return StreamingResponse(_sse(request, handle, params, event_prefix), media_type="text/event-stream",
-                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return stream_response(request, _sse(request, handle, params, event_prefix), media_type="text/event-stream",
+                               headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outputs = await result_or_cancel(request, handle)
     images, encoded = outputs["images"], outputs["encoded"]  # the graph's media_encode node
     body = {

@@ -4,6 +4,10 @@ the Starlette socket adapter, and the per-app reaper of expired sessions.
 Auth as the REST routes (API keys -> tenant): `Authorization: Bearer <key>`, or, for browsers that
 cannot set headers, the subprotocol `openai-insecure-api-key.<key>` (as OpenAI's Realtime API).
 A refused key closes the handshake (HTTP 403).
+
+A client that takes no frame for `[server] slow_consumer_grace_s` is cut (serve/slow_consumers.py): the send
+fails (the session's outbox detaches, as when the socket drops, and keeps journalling for a resume) and the
+connection is reset.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from realtime.sessions import CLOSE_TRY_AGAIN, SessionRegistry, error_event, reap_until_empty
 from serve.auth import DEFAULT_TENANT
+from serve.slow_consumers import SlowConsumer, SlowConsumers
 
 _KEY_PROTOCOL = "openai-insecure-api-key."
 
@@ -81,10 +86,18 @@ class StarletteSocket:
         return message["text"] if message.get("text") is not None else message.get("bytes")
 
     async def send(self, frame: str | bytes) -> None:
-        if isinstance(frame, str):
-            await self.ws.send_text(frame)
-        else:
-            await self.ws.send_bytes(frame)
+        """Send one frame; SlowConsumer (and the connection reset) when the client takes none within the grace."""
+        message = {"type": "websocket.send", "text": frame} if isinstance(frame, str) else \
+            {"type": "websocket.send", "bytes": frame}
+        rule: SlowConsumers | None = getattr(self.ws.app.state, "slow_consumers", None)
+        if rule is None:
+            await self.ws.send(message)
+            return
+        try:
+            await rule.send_within_grace(self.ws.send, message)
+        except SlowConsumer:
+            rule.cut(self.ws.scope, "websocket")
+            raise
 
     async def close(self, code: int, reason: str) -> None:
         try:

@@ -14,7 +14,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pipelines.chat import ChatRequest
 from pipelines.served import SPOKEN_CHAT_TASK
@@ -31,6 +31,7 @@ from serve.schemas_chat import (
     SpokenChatReply,
     TextReply,
 )
+from serve.slow_consumers import stream_response
 from stages.request_state import RequestHandle
 
 router = APIRouter()
@@ -94,8 +95,8 @@ async def respond(request: Request, handle: RequestHandle, reply: TextReply, *, 
     """SSE chunks when `stream`, else one JSON object."""
     headers = {"x-request-id": handle.request_id}
     if stream:
-        return StreamingResponse(_sse(handle, reply), media_type="text/event-stream",
-                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return stream_response(request, _sse(handle, reply), media_type="text/event-stream",
+                               headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outputs = await result_or_cancel(request, handle)
     return JSONResponse(reply.body(outputs), headers=headers)
 

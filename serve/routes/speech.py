@@ -25,7 +25,7 @@ import uuid
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.image_request import RequestError
@@ -34,6 +34,7 @@ from serve.auth import tenant_of
 from serve.errors import error_body, stage_error_parts
 from serve.models import resolve_model
 from serve.responses import result_or_cancel, sse
+from serve.slow_consumers import stream_response
 from stages.events import ErrorKind, Event, EventKind, StageError
 from stages.media.audio_encode import ENCODE_FORMATS, AudioStreamEncoder
 from stages.media.image import MediaError
@@ -91,10 +92,10 @@ async def create_speech(body: SpeechBody, request: Request, tenant: str = Depend
     events = handle.__aiter__()
     first = await _first_output(request, handle, events)  # an error before any audio is still an HTTP error
     if body.stream_format == "sse":
-        return StreamingResponse(_sse(handle, events, first, fmt, rate), media_type="text/event-stream",
-                                 headers=headers | _STREAM_HEADERS)
-    return StreamingResponse(_audio(handle, events, first, fmt, rate), media_type=CONTENT_TYPES[fmt],
-                             headers=headers | _STREAM_HEADERS)
+        return stream_response(request, _sse(handle, events, first, fmt, rate), media_type="text/event-stream",
+                               headers=headers | _STREAM_HEADERS)
+    return stream_response(request, _audio(handle, events, first, fmt, rate), media_type=CONTENT_TYPES[fmt],
+                           headers=headers | _STREAM_HEADERS)
 
 
 @router.get("/v1/audio/voices")

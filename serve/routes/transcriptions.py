@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -36,6 +35,7 @@ from serve.auth import tenant_of
 from serve.errors import ApiError
 from serve.models import resolve_model
 from serve.responses import result_or_cancel
+from serve.slow_consumers import stream_response
 from serve.transcripts import RESPONSE_FORMATS, TIMED_FORMATS, transcript_events, transcript_response
 
 router = APIRouter()
@@ -127,8 +127,8 @@ async def _run(request: Request, task: str):
                                      request_id=request_id)
     headers = {"x-request-id": request_id}
     if params.stream:
-        return StreamingResponse(transcript_events(handle), media_type="text/event-stream",
-                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return stream_response(request, transcript_events(handle), media_type="text/event-stream",
+                               headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     outputs = await result_or_cancel(request, handle)
     return transcript_response(outputs, params.response_format, task, headers)
 
