@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from serve.batch_lines import LineError, error_record, parse_line, run_line, split_lines
-from serve.jobs import VIDEO_REQUEST_FIELDS, JobStore, write_atomic
+from serve.jobs import VIDEO_REQUEST_FIELDS, JobStore, StorageFull, write_atomic
 from stages.events import ErrorKind, EventKind, StageError
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class JobPolicy:
     expiry_sweep_s: float = 600.0  # how often expired results are deleted
     retries: int = 3  # tries again after a retryable failure, per video job and per batch line
     retry_delay_s: float = 1.0  # the wait before one when the error names none (a reply's Retry-After does)
+    storage_retry_s: float = 5.0  # a batch that found the job store's disk full tries again this much later
 
     def __post_init__(self):
         for name in ("batch_line_concurrency", "video_concurrency", "max_jobs_per_tenant", "result_ttl_s"):
@@ -297,6 +298,17 @@ class JobRunner:
 
     # -- batch ----------------------------------------------------------------------------
     async def _run_batch(self, job_id: str) -> None:
+        """Run the batch's lines without a result. A full disk pauses it: the lines committed stay, and the rest run
+        once a try finds room (the batch stays in_progress meanwhile, as after a restart)."""
+        while True:
+            try:
+                return await self._run_batch_once(job_id)
+            except StorageFull as e:
+                log.warning("batch %s paused: %s; trying again in %.0f s", job_id, e.message,
+                            self.policy.storage_retry_s)
+                await asyncio.sleep(self.policy.storage_retry_s)
+
+    async def _run_batch_once(self, job_id: str) -> None:
         job = self.store.get_job(job_id)
         if job.status == "queued":
             self.store.update_job(job_id, status="in_progress", started_at=int(time.time()))
@@ -316,6 +328,8 @@ class JobRunner:
         except asyncio.CancelledError:
             if self.store.get_job(job_id).status == "cancelling":
                 await self._finish_batch(job_id, "cancelled")  # partial results stay downloadable
+            raise
+        except StorageFull:
             raise
         except Exception:
             log.exception("batch %s failed", job_id)

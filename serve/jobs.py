@@ -21,6 +21,7 @@ The store holds bookkeeping only; serve/job_runner.py decides what runs.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -109,6 +110,19 @@ class IdempotencyKeyReused(ApiError):
                          param="Idempotency-Key", code="idempotency_key_reused")
 
 
+class StorageFull(ApiError):
+    """The job store's disk (or quota) is full. 507, as WebDAV answers it: nothing was stored, nothing stored before
+    is touched, and the same request succeeds once space is freed."""
+
+    def __init__(self, where: Path):
+        super().__init__(507, f"the job store ({where}) is out of disk space; nothing was stored. Retry once space "
+                              "is freed (delete files or jobs, or grow the disk)", code="insufficient_storage",
+                         retry_after_s=30)
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
 MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe allows
 
 
@@ -147,11 +161,17 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that a reader sees either nothing or all of it (tmp + fsync + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)  # a partial file would keep the space a full disk needs back
+        if e.errno in _FULL_ERRNOS:
+            raise StorageFull(path.parent) from e
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself survives a power cut
@@ -183,6 +203,14 @@ class JobStore:
             self._db.close()
 
     def _exec(self, sql: str, args: tuple = (), *, durable: bool = True) -> list[sqlite3.Row]:
+        try:
+            return self._exec_locked(sql, args, durable=durable)
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:  # the statement was rolled back
+                raise StorageFull(self.data_dir) from e
+            raise
+
+    def _exec_locked(self, sql: str, args: tuple, *, durable: bool) -> list[sqlite3.Row]:
         with self._lock:
             if durable:
                 return self._db.execute(sql, args).fetchall()
@@ -299,9 +327,13 @@ class JobStore:
         path = self.files_dir / file_id
         write_atomic(path, data)  # the bytes are on disk before the row that names them
         now = int(time.time())
-        self._exec("INSERT INTO files (id, tenant, purpose, filename, bytes, path, created_at, expires_at) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                   (file_id, tenant, purpose, filename, len(data), str(path), now, now + ttl_s if ttl_s else None))
+        try:
+            self._exec("INSERT INTO files (id, tenant, purpose, filename, bytes, path, created_at, expires_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (file_id, tenant, purpose, filename, len(data), str(path), now, now + ttl_s if ttl_s else None))
+        except StorageFull:
+            path.unlink(missing_ok=True)  # no row names it: it would only hold space
+            raise
         return self.get_file(file_id)
 
     def get_file(self, file_id: str, tenant: str | None = None) -> StoredFile | None:
@@ -319,7 +351,14 @@ class JobStore:
 
     def delete_file(self, file_id: str) -> None:
         f = self.get_file(file_id)
-        self._exec("DELETE FROM files WHERE id=?", (file_id,))
+        try:
+            self._exec("DELETE FROM files WHERE id=?", (file_id,))
+        except StorageFull:
+            if f is None:
+                raise
+            # A full disk leaves SQLite no room to log even a delete: free the bytes first, then drop the row.
+            f.path.unlink(missing_ok=True)
+            self._exec("DELETE FROM files WHERE id=?", (file_id,))
         if f is not None:
             f.path.unlink(missing_ok=True)
 
