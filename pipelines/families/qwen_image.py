@@ -347,11 +347,17 @@ class QwenImageFamily(PackedLatents, ImageFamily):
         batched = {"hidden_states": torch.cat(hidden), "timestep": torch.cat(timesteps) / 1000,
                    "encoder_hidden_states": torch.cat(embeds),
                    "encoder_hidden_states_mask": torch.cat(masks) if masks[0] is not None else None}
-        # one list of image shapes for every row (the grids are in the key); the transformer reads the first entry
-        shared = {"img_shapes": [list(items[0].state["grid"])] * sum(sizes)}
+        # one grid for every row (the grids are in the key): hashable, so a graph's signature can hold it
+        shared = {"grid": tuple(tuple(shape) for shape in items[0].state["grid"])}
         out = self.denoise("transformer", items, sizes, batched, shared)
         # the predictions of the noise tokens only (an edit's context tokens come to nothing)
         return [o[:, :item.state["latents"].shape[1]] for o, item in zip(out, items, strict=True)]
+
+    def call_denoiser(self, key: str, *, grid: tuple, **inputs: Any) -> torch.Tensor:
+        """The transformer with `img_shapes`, one entry per row of this call (a graph's padding rows included: a
+        zero_cond_t transformer reads every entry, the others the first)."""
+        rows = inputs["hidden_states"].shape[0]
+        return self.pipe.transformer(**inputs, img_shapes=[list(grid)] * rows, return_dict=False)[0]
 
     # -- speed-ups ----------------------------------------------------------------------------
     denoiser_keys = ("transformer",)
