@@ -66,7 +66,9 @@ class GraphConfig:
 
 
 def signature(batched: Mapping[str, torch.Tensor | None], shared: Mapping[str, Any]) -> tuple[int, Signature]:
-    """(rows, named fields) of a call. Per-row inputs share their first axis; None is a field value too."""
+    """(rows, named fields) of a call. Per-row inputs share their first axis; None is a field value too. A shared
+    value is described by its tensors' shapes and dtypes (nested in tuples and lists, as rotary (cos, sin) pairs
+    come), anything else by itself."""
     rows = {v.shape[0] for v in batched.values() if v is not None}
     if len(rows) != 1:
         raise ValueError(f"per-row inputs must agree on their row count, got {sorted(rows)}")
@@ -74,9 +76,34 @@ def signature(batched: Mapping[str, torch.Tensor | None], shared: Mapping[str, A
     for name, v in batched.items():
         fields.append((name, None if v is None else (tuple(v.shape[1:]), str(v.dtype).removeprefix("torch."))))
     for name, v in shared.items():
-        fields.append((name, (tuple(v.shape), str(v.dtype).removeprefix("torch.")) if isinstance(v, torch.Tensor)
-                       else v))
+        fields.append((name, _described(v)))
     return rows.pop(), tuple(sorted(fields))
+
+
+def _described(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), str(value.dtype).removeprefix("torch.")
+    if isinstance(value, (tuple, list)):
+        return tuple(_described(v) for v in value)
+    return value
+
+
+def _cloned(value: Any) -> Any:
+    """A shared value with its tensors copied (a bucket's static inputs), the same structure."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def _copy_into(static: Any, value: Any) -> None:
+    """A call's shared tensors into the bucket's static ones (the same structure: the same signature)."""
+    if isinstance(value, torch.Tensor):
+        static.copy_(value)
+    elif isinstance(value, (tuple, list)):
+        for s, v in zip(static, value, strict=True):
+            _copy_into(s, v)
 
 
 class _Bucket:
@@ -163,8 +190,7 @@ class GraphRunner:
             if rows < bucket.rows and name in self.pad_values:
                 static[rows:].fill_(self.pad_values[name])  # e.g. no KV write, no context
         for name, value in shared.items():
-            if isinstance(value, torch.Tensor):
-                bucket.shared[name].copy_(value)
+            _copy_into(bucket.shared[name], value)
         out = bucket.replay(self.fn)
         self.observer.replayed(rows, bucket.rows)
         return out[:rows].clone()  # the static output is overwritten by the next replay
@@ -180,7 +206,7 @@ class GraphRunner:
         for size in sorted(self.buckets, reverse=True):
             bucket = _Bucket(size, {n: None if v is None else _tile(v, size, self.pad_values.get(n))
                                     for n, v in batched.items()},
-                             {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in shared.items()})
+                             {n: _cloned(v) for n, v in shared.items()})
             if cuda:
                 bucket.graph, bucket.output = _capture_cuda(self.fn, bucket, self.pool)
             buckets[size] = bucket

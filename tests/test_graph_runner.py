@@ -52,6 +52,10 @@ def test_signature_names_every_field_and_needs_one_row_count():
                            "scale": 2.0}
     with pytest.raises(ValueError, match="row count"):
         signature({"x": torch.zeros(2, 6), "t": torch.zeros(3)}, {})
+    # A pair of tensors (rotary cos and sin) is described by their shapes: two calls with new tensors share a graph.
+    pair = lambda: (torch.randn(4, 8), torch.randn(4, 8))  # noqa: E731
+    first, again = (signature(_inputs(3), {"rotary": pair()})[1] for _ in range(2))
+    assert first == again and dict(first)["rotary"] == (((4, 8), "float32"), ((4, 8), "float32"))
 
 
 def test_config_is_checked():
@@ -287,3 +291,24 @@ def test_the_newer_image_families_replay_graphs_equal_to_eager(family, tmp_path)
         assert _metric(engine, "mmserve_graph_eager_total", reason="shape") == 0
     assert np.isfinite(want).all()
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["cogvideox", "hunyuan_video", "hunyuan_video15", "ltx2"])
+def test_the_newer_video_families_replay_graphs_equal_to_eager(family, tmp_path):
+    """The video families' denoisers through the graph runner at the warm-up's size and frames (cogvideox's rotary
+    (cos, sin) pair is a shared input: copied into the graph's buffers, described by its shapes), equal to eager."""
+    from pipelines.demo import build_demo_model
+    from pipelines.video import VideoRequest
+
+    path = str(build_demo_model(family, tmp_path / family))
+
+    def request():
+        return VideoRequest(prompt="warm-up", width=64, height=64, num_frames=9, num_inference_steps=2, seed=3)
+    with running_engine(path) as plain:
+        want = plain.submit("m", request()).result(timeout=300)["frames"]
+    graphs = GraphConfig(batch_sizes=(1, 2, 4), sizes=((64, 64),), frames=(9,), padding="always")
+    with running_engine(path, graphs=graphs) as engine:
+        got = engine.submit("m", request()).result(timeout=300)["frames"]
+        assert _metric(engine, "mmserve_graph_replays_total") >= 4  # the warm-up's two steps, then these two
+        assert _metric(engine, "mmserve_graph_eager_total", reason="shape") == 0
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
