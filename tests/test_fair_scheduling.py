@@ -128,12 +128,14 @@ def sd(tmp_path_factory) -> str:
 
 
 def test_the_denoise_loop_runs_the_other_tenants_image_in_its_next_step(sd):
-    """Two rows a step and "a" has six images in the loop: "b"'s image runs in the first step after it joins."""
-    image = dict(width=64, height=64, num_inference_steps=6, guidance_scale=1.0)
+    """Two rows a step and "a" has six images in the loop: "b"'s image runs in the first step after it joins, while
+    at least two of "a"'s are still there (arrival order would have run those two)."""
+    image = dict(width=64, height=64, guidance_scale=1.0)
     with running(ModelSpec("m", sd, pools={"denoise": PoolConfig(max_batch_size=2)})) as engine:
         stage = engine.executor.pools["m/denoise"].stages[0]
-        schedule: list[tuple[str, ...]] = []  # ("start", tenant) when an item joins, ("step", tenants...) a step
-        start, step = stage.start, stage.step
+        # ("start", tenant) when an item joins, ("step", tenants...) a step, ("finish", tenant) when one leaves
+        schedule: list[tuple[str, ...]] = []
+        start, step, finish = stage.start, stage.step, stage.finish
 
         def recorded_start(item):
             schedule.append(("start", item.request.tenant))
@@ -143,20 +145,23 @@ def test_the_denoise_loop_runs_the_other_tenants_image_in_its_next_step(sd):
             schedule.append(("step", *sorted(item.request.tenant for item in items)))
             return step(items)
 
-        stage.start, stage.step = recorded_start, recorded_step
-        with as_tenant("a"):
-            backlog = [engine.submit_image("m", ImageRequest(prompt=f"a {k}", seed=k, **image))
+        def recorded_finish(item):
+            schedule.append(("finish", item.request.tenant))
+            return finish(item)
+
+        stage.start, stage.step, stage.finish = recorded_start, recorded_step, recorded_finish
+        with as_tenant("a"):  # 60 steps of two rows: "b" joins long before they are done, however slow the machine
+            backlog = [engine.submit_image("m", ImageRequest(prompt=f"a {k}", seed=k, num_inference_steps=20, **image))
                        for k in range(BACKLOG)]
         wait_for_event(backlog[0], EventKind.PROGRESS)  # "a" is denoising
         with as_tenant("b"):
-            other = engine.submit_image("m", ImageRequest(prompt="b", seed=9, **image))
+            other = engine.submit_image("m", ImageRequest(prompt="b", seed=9, num_inference_steps=4, **image))
         for handle in [*backlog, other]:
             assert handle.result(timeout=300)["pixels"].shape == (1, 64, 64, 3)
     joined = schedule.index(("start", "b"))
+    assert BACKLOG - schedule[:joined].count(("finish", "a")) >= 2, schedule  # "a" still fills a step without "b"
     next_step = next(entry for entry in schedule[joined:] if entry[0] == "step")
-    assert "b" in next_step, schedule
-    # Without turns "b" would have waited for "a"'s images to finish two at a time: 18 steps.
-    assert sum(entry[0] == "step" for entry in schedule[:joined]) < 6
+    assert next_step == ("step", "a", "b"), schedule
 
 
 def test_the_llm_admits_the_other_tenants_request_at_the_next_free_slot(tmp_path_factory):
