@@ -186,7 +186,7 @@ def test_the_llm_admits_the_other_tenants_request_at_the_next_free_slot(tmp_path
         params = dict(temperature=0.0, ignore_eos=True)
         with as_tenant("a"):
             backlog = [engine.submit_chat("m", ChatRequest(prompt=[1, 2, 3 + k], params=SamplingParams(
-                max_tokens=48, **params))) for k in range(BACKLOG)]
+                max_tokens=96, **params))) for k in range(BACKLOG)]
         wait_for_event(backlog[0], EventKind.DELTA)  # two of "a"'s run, four wait
         with as_tenant("b"):
             other = engine.submit_chat("m", ChatRequest(prompt=[1, 2, 99], params=SamplingParams(max_tokens=4,
