@@ -28,9 +28,10 @@ def _test_sleep(seconds: float) -> tuple[int, float, float]:
 
 
 def _test_crash(how: str = "exit") -> None:
-    """Dies without reporting: os._exit ("exit") or a segmentation fault signal ("segv")."""
-    if how == "segv":
-        os.kill(os.getpid(), signal.SIGSEGV)
+    """Dies without reporting: os._exit ("exit"), a segmentation fault signal ("segv"), or SIGKILL ("kill", as an
+    operator's kill -9 or the system's out-of-memory killer)."""
+    if how in ("segv", "kill"):
+        os.kill(os.getpid(), signal.SIGSEGV if how == "segv" else signal.SIGKILL)
     os._exit(3)
 
 

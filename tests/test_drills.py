@@ -48,8 +48,8 @@ def test_a_killed_media_worker_costs_at_most_its_own_request(on_one_server):
     assert_nothing_lost(report)
     numbers = report["numbers"]
     assert numbers["worker replaced"] is True, numbers
-    # the edit on the killed worker (if one was running) fails with the media code, every other is answered 200
-    assert set(numbers["edits failed (status code: count)"]) <= {"400 media_worker"}, numbers
+    # the edit on the killed worker (if one was running) fails as retryable (503), every other is answered 200
+    assert set(numbers["edits failed (status code: count)"]) <= {"503 media_worker_lost"}, numbers
 
 
 def test_an_abandoned_llm_stream_gives_its_kv_blocks_back(on_one_server):

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from serve.errors import http_status
+from stages.events import ErrorKind, StageError
 from stages.media.image import WORKER_FUNCTIONS, DecodedImage, ImageDecodeLimits, MediaError, decode_image, encode_image
 from stages.media.pool import MediaPool
 from stages.metrics import Metrics
@@ -216,6 +218,18 @@ def test_crash_fails_only_its_task(pool, how):
         crash.result(timeout=10)
     assert _code(e) == "media_worker" and ("exit code 3" if how == "exit" else "SIGSEGV") in e.value.message
     assert all(f.result(timeout=10)[0] != os.getpid() for f in others)
+    assert pool.workers_replaced == replaced + 1
+    assert pool.run("_test_echo", "still here")[1] == "still here"
+
+
+def test_a_worker_killed_from_outside_fails_its_task_as_retryable(pool):
+    """SIGKILL comes from outside (kill -9, the out-of-memory killer), never from the input: media_worker_lost, a
+    retryable kind (503 with Retry-After), not the 400 of a worker its input crashed."""
+    replaced = pool.workers_replaced
+    with pytest.raises(MediaError) as e:
+        pool.submit("_test_crash", "kill").result(timeout=10)
+    assert _code(e) == "media_worker_lost" and e.value.kind is ErrorKind.UNAVAILABLE and "SIGKILL" in e.value.message
+    assert http_status(StageError(e.value.code, e.value.message, kind=e.value.kind)) == 503
     assert pool.workers_replaced == replaced + 1
     assert pool.run("_test_echo", "still here")[1] == "still here"
 

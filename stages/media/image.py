@@ -22,7 +22,7 @@ from stages.events import ErrorKind
 
 ERROR_CODES = frozenset({
     "media_bytes", "media_pixels", "media_frames", "media_duration", "media_format",
-    "media_corrupt", "media_fetch", "media_timeout", "media_worker",
+    "media_corrupt", "media_fetch", "media_timeout", "media_worker", "media_worker_lost",
 })
 
 # Our lower-case names -> PIL's format names.
@@ -50,7 +50,10 @@ class MediaError(Exception):
 
     @property
     def kind(self) -> ErrorKind:
-        """A limit passed (bytes, pixels, frames, duration) or an input that is wrong."""
+        """A limit passed (bytes, pixels, frames, duration), an input that is wrong, or (media_worker_lost) a
+        worker killed from outside while it ran the task: not the input's fault, worth a retry."""
+        if self.code == "media_worker_lost":
+            return ErrorKind.UNAVAILABLE
         return ErrorKind.TOO_LARGE if self.code in _OVER_LIMIT else ErrorKind.INVALID
 
     def __reduce__(self):

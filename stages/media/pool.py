@@ -247,6 +247,9 @@ class MediaPool:
             return MediaError("media_worker", f"media worker closed its pipe while running {name}")
         if code == -signal.SIGXCPU:
             return MediaError("media_timeout", f"{name} used more than task_cpu_s={self.task_cpu_s} CPU seconds")
+        if code == -signal.SIGKILL:  # nothing in the worker sends it: an operator, or the system out of memory
+            return MediaError("media_worker_lost", f"the media worker running {name} was killed (SIGKILL, from "
+                                                   f"outside the server); it was replaced: retry")
         return MediaError("media_worker",
                           f"media worker died ({_exit_reason(code)}) while running {name}; it was replaced")
 
