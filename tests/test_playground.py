@@ -47,9 +47,7 @@ def server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("playground")
     sd, llava = build_demo_model("sd", root / "sd"), build_demo_model("llava", root / "llava")
-    keys = root / "keys.json"
-    keys.write_text(f'{{"{API_KEY}": "playground"}}')
-    srv = Server(root, extra_args=("--api-keys", str(keys)), config_toml=f"""
+    srv = keyed_server(root, f"""
 [[models]]
 name = "{IMAGE_MODEL}"
 path = "{sd}"
@@ -65,6 +63,13 @@ max_images = 2
 """)
     yield srv
     srv.stop()
+
+
+def keyed_server(root: Path, config_toml: str) -> Server:
+    """A real `mmserve serve` of `config_toml` that requires API keys: the one key the pages carry, API_KEY."""
+    keys = root / "keys.json"
+    keys.write_text(f'{{"{API_KEY}": "playground"}}')
+    return Server(root, config_toml, extra_args=("--api-keys", str(keys)))
 
 
 @contextmanager

@@ -22,6 +22,7 @@ try:
     from tests.test_playground import (  # noqa: F401  (shots, watched: fixtures, on this module's browser and server)
         API_KEY,
         AUTH,
+        keyed_server,
         launch_chromium,
         record_forms,
         screenshot,
@@ -29,10 +30,20 @@ try:
         shots,
         watched,
     )
-    from tests.test_serve_support import Server, png_bytes
+    from tests.test_serve_support import png_bytes
 except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
-    from test_playground import API_KEY, AUTH, launch_chromium, record_forms, screenshot, sent_form, shots, watched  # noqa: F401
-    from test_serve_support import Server, png_bytes
+    from test_playground import (  # noqa: F401
+        API_KEY,
+        AUTH,
+        keyed_server,
+        launch_chromium,
+        record_forms,
+        screenshot,
+        sent_form,
+        shots,
+        watched,
+    )
+    from test_serve_support import png_bytes
 
 VIDEO_MODEL = "ltx-demo"  # text-to-video and image-to-video
 LIVE_MODEL = "sd-demo"  # realtime img2img
@@ -45,9 +56,7 @@ def server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("playground-video")
     sd, ltx = build_demo_model("sd", root / "sd"), build_demo_model("ltx", root / "ltx")
-    keys = root / "keys.json"
-    keys.write_text(f'{{"{API_KEY}": "playground"}}')
-    srv = Server(root, extra_args=("--api-keys", str(keys)), config_toml=f"""
+    srv = keyed_server(root, f"""
 [server]
 data_dir = "{root / 'data'}"
 

@@ -22,7 +22,7 @@ import wave
 import numpy as np
 import pytest
 
-from tests.test_playground import API_KEY, launch_chromium, screenshot, shots, watched_page
+from tests.test_playground import API_KEY, keyed_server, launch_chromium, screenshot, shots, watched_page
 from tests.test_realtime_voice_support import (
     ESPEAK,
     needs_speech,
@@ -31,7 +31,6 @@ from tests.test_realtime_voice_support import (
     voice_models,
     voice_server_config,
 )
-from tests.test_serve_support import Server
 
 __all__ = ["shots", "voice_models"]
 VOICE_MODEL = "voice-demo"
@@ -51,9 +50,7 @@ def write_wav(path, samples: np.ndarray, rate: int) -> None:
 @pytest.fixture(scope="module")
 def server(voice_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("playground-voice")
-    keys = root / "keys.json"
-    keys.write_text(f'{{"{API_KEY}": "playground"}}')
-    srv = Server(root, voice_server_config(voice_models, max_output_tokens=24), extra_args=("--api-keys", str(keys)))
+    srv = keyed_server(root, voice_server_config(voice_models, max_output_tokens=24))
     yield srv
     srv.stop()
 
