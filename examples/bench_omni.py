@@ -6,8 +6,8 @@ One run is --requests spoken chat requests (text in, text + 24 kHz audio out, gr
 seed and prompt, each reply --codes talker codes at most: 50 codes a second of audio):
 
   mmserve       all submitted at once to an engine serving the checkpoint: the thinker's steps batch across
-                the requests (the llm stage), the talker's steps too, token2wav's DiT for the batch in one call,
-                the vocoder per request on two replicas. Whole replies (equal to generate()).
+                the requests (the llm stage), the talker's steps too, token2wav's DiT for 4 replies a call on
+                two replicas, the vocoder per request on two replicas. Whole replies (equal to generate()).
   transformers  Qwen2_5OmniForConditionalGeneration.generate(), one request after another (torch.manual_seed
                 before each), as a script serving them would: in a process of its own (an engine's worker threads
                 each hold an OpenMP team; with more OpenMP threads than cores libgomp stops spinning, which slows

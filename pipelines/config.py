@@ -237,11 +237,12 @@ DEFAULT_POOLS = {
 # more each than 1 or 2; at 128x128, 2 are the fastest).
 CPU_POOLS = {"vae_decode": PoolConfig(max_batch_size=2, max_delay_ms=2.0, max_queue=256),
              # An omni model's speech on a CPU: small ops (the talker's steps, the DiT and vocoder of a tiny token2wav)
-             # run faster on one torch thread than on a team of two in a worker thread, and the vocoder's two
-             # replicas (half the cores each) decode two replies side by side. Measured with examples/bench_omni.py's
-             # demo checkpoint on 2 cores, 8 spoken replies: see examples/RESULTS.md.
+             # run faster on one torch thread than on a team of two in a worker thread; token2wav's two replicas
+             # (4 jobs a call each) and the vocoder's two decode side by side. Measured with examples/bench_omni.py's
+             # demo checkpoint on 2 cores, 8 spoken replies: the DiT's 8 in 1.05 s as one call, 0.6 s as two
+             # side by side; see examples/RESULTS.md.
              "talker": PoolConfig(max_batch_size=8, max_delay_ms=5.0, max_queue=256),
-             "token2wav": PoolConfig(max_batch_size=8, max_delay_ms=2.0, max_queue=256, threads=1),
+             "token2wav": PoolConfig(max_batch_size=4, max_delay_ms=2.0, max_queue=256, threads=1, replicas=2),
              "vocoder": PoolConfig(max_batch_size=1, max_queue=256, replicas=2)}
 # A video model's VAE decode on a CPU: two replicas, each a team of half the cores, so two batches decode side by
 # side. Wan's VAE decodes a latent one frame at a time (causal 3D convolutions with a feature cache), ops too small to

@@ -8,21 +8,20 @@ draws its noise from the same stream, so one seed gives transformers' `generate(
 still speaks (`CodeWindows`), its noise sliced from a stream of its own (`OmniVoice.chunk_noise`), and the vocoder
 makes each chunk's audio as its mel comes.
 
-token2wav's DiT runs a batch's jobs (whole replies and windows of any replies) in one call; the vocoder one job a
-call, its replicas side by side.
+token2wav's DiT runs a batch's jobs (whole replies and windows of any replies) in one call, its replicas side by side
+on the one DiT; the vocoder one job a call, its replicas side by side.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
 
-from pipelines.omni_dit import block_distances, frames_valid
+from pipelines.omni_bigvgan import register as register_upsamplers
+from pipelines.omni_dit import dit_call
 from pipelines.omni_dit import register as register_block_attention
 from stages.events import EventKind
 from stages.stage import Stage, WorkItem
@@ -30,26 +29,19 @@ from stages.stage import Stage, WorkItem
 SAMPLE_RATE = 24000  # token2wav's output
 NOISE_STREAM = 1 << 32  # a streamed reply's token2wav noise is drawn from seed + this (OmniVoice.chunk_noise)
 VOCODER_MARGIN = 16  # mel frames BigVGAN reads past a streamed chunk on either side (its chunks then match to 3e-6)
-# The talker samples and token2wav draws its noise from torch's global generator (transformers passes no
-# generator): each request sets the global state to its own stream, draws, and restores it, holding this lock,
-# so the talker and token2wav workers of different requests never interleave their draws.
-_GLOBAL_RNG = threading.Lock()
 
 
-@contextmanager
-def seeded_stream(device: torch.device, state: tuple | int):
-    """torch's global generators (the CPU's and, on a GPU, the device's) set to `state` (or seeded with an int, as
-    torch.manual_seed does) for the block, then restored; yields a callable returning the state reached, for the
-    next block of the same stream. Holds the lock that keeps other requests' draws out."""
-    cuda = device.type == "cuda"
-    with _GLOBAL_RNG, torch.random.fork_rng(devices=[device] if cuda else []):
-        if isinstance(state, int):
-            torch.manual_seed(state)
-        else:
-            torch.set_rng_state(state[0])
-            if cuda:
-                torch.cuda.set_rng_state(state[1], device)
-        yield lambda: (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
+def reply_generator(device: torch.device, state: torch.Tensor | int) -> torch.Generator:
+    """A generator on `device` in `state` (a generator's state, or an int seed): a reply's own stream. transformers
+    samples the talker's codes and draws token2wav's noise from torch's global generator of the device after
+    `torch.manual_seed(seed)`; a generator of the device seeded with `seed` gives the same numbers, and each
+    request keeps its own (no global state shared between the workers of different requests)."""
+    generator = torch.Generator(device)
+    if isinstance(state, int):
+        generator.manual_seed(state)
+    else:
+        generator.set_state(state)
+    return generator
 
 
 def not_speaking(model: str):
@@ -90,6 +82,7 @@ class OmniVoice:
         self.repeats, self.block, self.mel_dim = dit.repeats, dit.block_size, dit.mel_dim
         self.hop = math.prod(self.token2wav.code2wav_bigvgan_model.config.upsample_rates)  # samples a mel frame
         register_block_attention(dit)
+        register_upsamplers(self.token2wav.code2wav_bigvgan_model)
         del full
         self.thinker = thinker
         self.config = thinker.config
@@ -99,11 +92,11 @@ class OmniVoice:
     def voices(self) -> tuple[str, ...]:
         return tuple(self.speakers)
 
-    def reply_noise(self, codes: list[int], state: tuple | int) -> torch.Tensor:
+    def reply_noise(self, codes: list[int], state: torch.Tensor | int) -> torch.Tensor:
         """A whole reply's token2wav noise [frames, mel_dim]: its `torch.randn`, drawn where generate() draws it (the
         talker's stream, continued from `state`)."""
-        with seeded_stream(self.device, state):
-            return torch.randn([1, len(codes) * self.repeats, self.mel_dim], device=self.device)[0]
+        generator = reply_generator(self.device, state)
+        return torch.randn([1, len(codes) * self.repeats, self.mel_dim], device=self.device, generator=generator)[0]
 
     def chunk_noise(self, seed: int, start: int, end: int) -> torch.Tensor:
         """Mel frames [start, end) of a streamed reply's token2wav noise [frames, mel_dim], from a CPU stream of its
@@ -172,37 +165,9 @@ class OmniVoice:
 
         t = torch.linspace(0, 1, num_steps, device=device, dtype=cond.dtype)
         t += sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
-        embed = dit.input_embed
-        speaker_encoder = embed.spk_encoder
-        with _BLOCK_DIFF, frames_valid(real):
-            # block distances at block granularity, for the block-local attention (pipelines/omni_dit.py)
-            dit._create_block_diff = lambda hidden: block_distances(hidden, dit.block_size)
-            # the speaker encoder reads the reference mels, the same at every evaluation: run it once a call
-            embed.spk_encoder = _Once(speaker_encoder)
-            try:
-                mel = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1]
-            finally:
-                del dit._create_block_diff
-                embed.spk_encoder = speaker_encoder
+        with dit_call(real):  # block-local attention over the real frames; the speaker encoder once
+            mel = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1]
         return [mel[b, :n].T for b, n in enumerate(frames)]
-
-
-# token2wav's DiT reads its attention blocks from `_create_block_diff`; a call sets block distances for itself
-_BLOCK_DIFF = threading.Lock()
-
-
-class _Once(torch.nn.Module):
-    """A module whose first output is the output of every later call: for an input that does not change."""
-
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
-        self.output: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.output is None:
-            self.output = self.inner(x)
-        return self.output
 
 
 class _SpeechStage(Stage):

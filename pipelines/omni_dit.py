@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION = "mmserve_dit_blocks"
-_call = threading.local()  # the running call's key validity (set by `frames_valid`, read by `block_attention`)
+# The running call's state, per thread (replicas sharing one DiT run calls side by side): its key validity (set by
+# `dit_call`, read by `block_attention`) and its speaker encoder's output (`_SpeakerOnce`).
+_call = threading.local()
 
 
 def register(dit) -> None:
-    """Make `dit` (a Qwen2_5OmniToken2WavDiTModel) attend block-locally; its `_create_block_diff` must then be
-    `block_distances` (both set for a call by pipelines/omni.py)."""
+    """Make `dit` (a Qwen2_5OmniToken2WavDiTModel) attend block-locally, its layers reading block distances
+    (`block_distances`), and run its speaker encoder once a `dit_call`: for good, at load."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, block_attention)
@@ -32,19 +34,40 @@ def register(dit) -> None:
         config = getattr(module, "config", None)
         if config is not None and config is not dit.config:
             config._attn_implementation = ATTENTION
+    dit._create_block_diff = lambda hidden: block_distances(hidden, dit.block_size)
+    embed = dit.input_embed
+    if not isinstance(embed.spk_encoder, _SpeakerOnce):
+        embed.spk_encoder = _SpeakerOnce(embed.spk_encoder)
 
 
-class frames_valid:
-    """Within the block: the running DiT call's real frames, `valid` [rows, frames] bool (padding False)."""
+class dit_call:
+    """Within the block, the running DiT call (in this thread): its real frames, `valid` [rows, frames] bool (padding
+    False), and its speaker encoder's output, computed at the first evaluation and reused by the later ones (it reads
+    the reference mels, the same at every evaluation of a call)."""
 
     def __init__(self, valid: torch.Tensor):
         self.valid = valid
 
     def __enter__(self):
-        _call.valid = self.valid
+        _call.valid, _call.speakers = self.valid, None
 
     def __exit__(self, *exc):
-        _call.valid = None
+        _call.valid = _call.speakers = None
+
+
+class _SpeakerOnce(torch.nn.Module):
+    """The DiT's speaker encoder, run once a `dit_call` (every call outside one runs it)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(_call, "valid", None) is None:
+            return self.inner(x)
+        if _call.speakers is None:
+            _call.speakers = self.inner(x)
+        return _call.speakers
 
 
 def block_distances(hidden_states: torch.Tensor, block: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from pipelines.omni import OmniVoice, SpeechOutput, seeded_stream
+from pipelines.omni import OmniVoice, SpeechOutput, reply_generator
 from stages.events import EventKind, StageError
 from stages.stage import LoopStage, WorkItem
 
@@ -69,26 +69,26 @@ class ThinkerFeed:
 
 class TalkerRow:
     """A reply being spoken: its feed, its own cache (unpadded), the logits of its next code (None while a drawn code
-    waits to be fed), its codes, its sequence (for the repetition penalty) and its generator state."""
+    waits to be fed), its codes, its sequence (for the repetition penalty) and its generator."""
 
-    def __init__(self, feed: ThinkerFeed, speech: SpeechOutput, on_code: Callable[[int], Any] | None):
+    def __init__(self, feed: ThinkerFeed, speech: SpeechOutput, on_code: Callable[[int], Any] | None,
+                 device: torch.device):
         self.feed, self.speech, self.on_code = feed, speech, on_code
         self.cache: Any = None
         self.logits: torch.Tensor | None = None
         self.sequence: list[int] = []
         self.codes: list[int] = []
-        self.state: tuple | int = speech.seed
+        self.generator = reply_generator(device, speech.seed)
+        self.group: TalkerGroup | None = None  # the rows it was last fed with
         self.finished = False
 
     @property
     def length(self) -> int:  # positions in its cache
         return self.cache.layers[0].keys.shape[2]
 
-    def draw(self, probs: torch.Tensor, device: torch.device) -> int:
+    def draw(self, probs: torch.Tensor) -> int:
         """A code drawn from `probs` [1, V] with this row's stream, as generate()'s multinomial draws alone."""
-        with seeded_stream(device, self.state) as reached:
-            code = int(torch.multinomial(probs, num_samples=1)[0, 0])
-            self.state = reached()
+        code = int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
         self.sequence.append(code)
         return code
 
@@ -189,7 +189,7 @@ class Talker:
         probs = torch.softmax(scores, dim=-1)
         talker = self.voice.talker
         for b, row in enumerate(rows):
-            code = row.draw(probs[b:b + 1], device)
+            code = row.draw(probs[b:b + 1])
             row.logits = None
             if code in (talker.codec_pad_token, talker.codec_eos_token):  # the codec's end
                 row.finished = True
@@ -201,34 +201,57 @@ class Talker:
 
     def feed(self, rows: list[TalkerRow]) -> None:
         """One forward for rows whose drawn code can be fed: the code plus its reply input, each row at its own
-        position, over the rows' caches left-padded to one length."""
-        from transformers import DynamicCache
-
+        position, over the rows' caches left-padded to one length under an attention mask. The same rows as the
+        step before go on in that step's padded cache (`TalkerGroup`); other rows are padded afresh."""
         talker, device = self.voice.talker, self.voice.device
         replies = [self.reply(row, len(row.codes)) for row in rows]
-        longest = max(row.length for row in rows)
-        cache = DynamicCache()
-        for layer in range(len(rows[0].cache.layers)):
-            keys, values = [], []
-            for row in rows:
-                k, v = row.cache.layers[layer].keys, row.cache.layers[layer].values
-                pad = longest - row.length
-                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            cache.update(torch.cat(keys), torch.cat(values), layer)
-        mask = torch.zeros(len(rows), longest + 1, dtype=torch.long, device=device)
-        for b, row in enumerate(rows):
-            mask[b, longest - row.length:] = 1
+        group = rows[0].group
+        if group is None or not group.holds(rows):
+            group = TalkerGroup(rows, device)
         codes = torch.tensor([[row.codes[-1]] for row in rows], device=device)
         embeds = talker.get_input_embeddings()(codes) + torch.stack(replies).to(talker.dtype)[:, None]  # type: ignore[arg-type]
         positions = torch.tensor([[row.length] for row in rows], device=device)
+        mask = group.grow()
         out = talker(inputs_embeds=embeds, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
-                     cache=cache, use_cache=True)
+                     cache=group.cache, use_cache=True)
+        group.cache = out.cache
         for b, row in enumerate(rows):
-            pad = longest - row.length
+            pad = group.pads[b]
             for layer, kept in zip(row.cache.layers, out.cache.layers):
                 layer.keys, layer.values = kept.keys[b:b + 1, :, pad:], kept.values[b:b + 1, :, pad:]
             row.logits = out.logits[b:b + 1, -1].float()
+            row.group = group
+
+
+class TalkerGroup:
+    """Rows fed together, their caches left-padded to one length in one cache (`cache`, under `mask`): while the
+    same rows step together the next step goes on in it, and a step of other rows builds a new group."""
+
+    def __init__(self, rows: list[TalkerRow], device: torch.device):
+        from transformers import DynamicCache
+
+        self.rows = list(rows)
+        longest = max(row.length for row in rows)
+        self.pads = [longest - row.length for row in rows]
+        self.cache = DynamicCache()
+        for layer in range(len(rows[0].cache.layers)):
+            keys = [torch.nn.functional.pad(row.cache.layers[layer].keys, (0, 0, pad, 0))
+                    for row, pad in zip(rows, self.pads)]
+            values = [torch.nn.functional.pad(row.cache.layers[layer].values, (0, 0, pad, 0))
+                      for row, pad in zip(rows, self.pads)]
+            self.cache.update(torch.cat(keys), torch.cat(values), layer)
+        self.mask = torch.zeros(len(rows), longest, dtype=torch.long, device=device)
+        for b, pad in enumerate(self.pads):
+            self.mask[b, pad:] = 1
+
+    def holds(self, rows: list[TalkerRow]) -> bool:
+        """These rows, in this order, are the group's (none of them stepped apart since)."""
+        return len(rows) == len(self.rows) and all(a is b and a.group is self for a, b in zip(rows, self.rows))
+
+    def grow(self) -> torch.Tensor:
+        """The attention mask of the next step (one more position for every row)."""
+        self.mask = torch.nn.functional.pad(self.mask, (0, 1), value=1)
+        return self.mask
 
 
 class FedTalkerStage(LoopStage):
@@ -286,7 +309,7 @@ class FedTalkerStage(LoopStage):
 
 class TalkerStage(FedTalkerStage):
     """Qwen2.5-Omni's talker loop: a row's codes go out as DELTAs {"codes"} for a streamed reply; its outputs are
-    the codes and the generator state after them (token2wav continues a whole reply's stream)."""
+    the codes and the generator's state after them (token2wav continues a whole reply's stream)."""
 
     def __init__(self, model: str, voice: OmniVoice, max_codes: int = 4096):
         super().__init__(model, voice, Talker(voice, max_codes))
@@ -294,11 +317,11 @@ class TalkerStage(FedTalkerStage):
     def start(self, item: WorkItem) -> None:
         speech: SpeechOutput = item.inputs["speech"]
         told = (lambda code: item.emit(EventKind.DELTA, codes=[code])) if speech.stream else None
-        item.state["row"] = TalkerRow(item.inputs["thinker"], speech, told)
+        item.state["row"] = TalkerRow(item.inputs["thinker"], speech, told, self.voice.device)
 
     def finish(self, item: WorkItem) -> dict[str, Any]:
         row: TalkerRow = item.state.pop("row")
-        return {"codes": row.codes, "rng": row.state}
+        return {"codes": row.codes, "rng": row.generator.get_state()}
 
 
 def talked(inputs: dict[str, Any]) -> dict[str, Any]:

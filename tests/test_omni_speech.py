@@ -112,14 +112,15 @@ def test_audio_and_image_in_speech_out_batched(engine, reference):
 
 def test_the_talker_and_token2wav_batch_across_requests(path, reference):
     """Four spoken replies gathered into shared batches (pools that wait for company): the talker steps them in one
-    forward a step, token2wav's DiT samples them in one call, the vocoder's replicas work side by side; each reply
-    still equals generate() for its seed (1e-5: the batched DiT differs from a lone one by float rounding, measured
-    3e-6)."""
+    forward a step, token2wav's two replicas sample two each, side by side on the one DiT (each call's block mask
+    and speaker output its own), the vocoder's replicas work side by side; each reply still equals generate() for
+    its seed (1e-5: the batched DiT differs from a lone one by float rounding, measured 3e-6)."""
     from stages.pool import PoolConfig
 
     waiting = PoolConfig(max_batch_size=8, max_delay_ms=500, max_queue=64)
+    pairs = PoolConfig(max_batch_size=2, max_delay_ms=500, max_queue=64, replicas=2)
     prompts = ("Say something nice.", "Tell me a story.", "Count to five.", "Name a color.")
-    with running_engine(path, family="vlm", pools={"talker": waiting, "token2wav": waiting}) as eng:
+    with running_engine(path, family="vlm", pools={"talker": waiting, "token2wav": pairs}) as eng:
         handles = [submit(eng, [{"role": "user", "content": p}], SpeechOutput(("Chelsie", "Ethan")[i % 2], 20 + i))
                    for i, p in enumerate(prompts)]
         results = [h.result(timeout=120) for h in handles]
