@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
+from stages.llm.decode_mirror import DecodeMirror
 from stages.llm.paged_attention import (
     BatchedLayout,
     batched_layouts,
     decode_attention,
+    gathered,
     paged_attention_batched,
     write_kv,
 )
@@ -39,6 +41,7 @@ class PagedMetadata:
     all_decode: bool  # every sequence feeds exactly one token
     slots_valid: bool = False  # no -1 slot: the KV write needs no filter (graph replay: padding uses a scratch slot)
     max_query_len: int | None = None  # the longest chunk of the step, known on the host (1: every row decodes)
+    mirror: DecodeMirror | None = None  # a CPU decode step's keys and values kept laid out across steps
     # per sliding window: built by the first layer that needs them, shared by the rest
     layouts: dict[int | None, tuple[BatchedLayout, ...]] = field(default_factory=dict)
 
@@ -62,10 +65,15 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                 q.shape[0], meta.k_caches[layer].shape[1], query_start_loc=meta.query_start_loc,
                 context_lens=meta.context_lens, block_tables=meta.block_tables, sliding_window=sliding_window,
                 max_query_len=meta.max_query_len)
+        dense = None
+        if meta.mirror is not None and len(layouts) == 1 and layouts[0].whole:
+            k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
+            dense = meta.mirror.layer(layer, key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                      lambda: gathered(k_cache, v_cache, layouts[0]))
         out = paged_attention_batched(q, meta.k_caches[layer], meta.v_caches[layer],
                                       query_start_loc=meta.query_start_loc, context_lens=meta.context_lens,
                                       block_tables=meta.block_tables, scale=scale, sliding_window=sliding_window,
-                                      soft_cap=softcap, layouts=layouts)
+                                      soft_cap=softcap, layouts=layouts, dense=dense)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
 

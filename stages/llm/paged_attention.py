@@ -216,6 +216,7 @@ def paged_attention_batched(
     soft_cap: float | None = None,
     max_query_len: int | None = None,  # max(query lengths), when the caller knows it (1: a decode step)
     layouts: tuple[BatchedLayout, ...] | None = None,  # built by the caller once per step (matching the arguments)
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None,  # a decode step's keys and values laid out (_attend)
 ) -> torch.Tensor:  # [T, Hq, D], query dtype
     """The reference's semantics without a Python loop over sequences: every sequence's keys and values are
     gathered, whole blocks through its block table, into a padded [B, ctx_max] batch, the queries into
@@ -228,7 +229,9 @@ def paged_attention_batched(
                                   context_lens=context_lens, block_tables=block_tables, sliding_window=sliding_window,
                                   max_query_len=max_query_len)
     if len(layouts) == 1 and layouts[0].whole:  # the padded rows are the packed ones, in order
-        return _attend(query, k_cache, v_cache, layouts[0], scale, soft_cap).reshape(query.shape).to(query.dtype)
+        return _attend(query, k_cache, v_cache, layouts[0], scale, soft_cap, dense).reshape(query.shape).to(
+            query.dtype)
+    assert dense is None, "laid-out keys and values serve a decode step's one whole layout"
     result = torch.zeros_like(query)
     for layout in layouts:
         out = _attend(query, k_cache, v_cache, layout, scale, soft_cap)
@@ -236,12 +239,24 @@ def paged_attention_batched(
     return result
 
 
+def gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's keys and values of the layout, whole blocks through its table: [B, n * block_size, Hkv, D]."""
+    shape = (layout.rows.shape[0], layout.num_blocks * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3])
+    return k_cache.index_select(0, layout.blocks).view(shape), v_cache.index_select(0, layout.blocks).view(shape)
+
+
 def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchedLayout, scale: float,
-            soft_cap: float | None) -> torch.Tensor:  # [B, q_max, Hq, D] float32
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    shape = (layout.rows.shape[0], layout.num_blocks * k_cache.shape[1], num_kv_heads, head_dim)
-    k = k_cache.index_select(0, layout.blocks).view(shape).transpose(1, 2).float()  # [B, Hkv, n * bs, D]
-    v = v_cache.index_select(0, layout.blocks).view(shape).transpose(1, 2).float()
+            soft_cap: float | None, dense: tuple[torch.Tensor, torch.Tensor] | None = None,
+            ) -> torch.Tensor:  # [B, q_max, Hq, D] float32
+    """`dense`: the layout's keys and values already laid out head-major, [B, Hkv, >= n * block_size, D] (a
+    DecodeMirror's)."""
+    num_kv_heads = k_cache.shape[2]
+    if dense is None:
+        keys, values = gathered(k_cache, v_cache, layout)
+        k, v = keys.transpose(1, 2).float(), values.transpose(1, 2).float()  # [B, Hkv, n * bs, D]
+    else:
+        width = layout.num_blocks * k_cache.shape[1]
+        k, v = dense[0][:, :, :width].float(), dense[1][:, :, :width].float()
     q = query[layout.rows].transpose(1, 2).float()  # [B, Hq, q_max, D]
     if soft_cap is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scale,

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from stages.cuda_graph_metrics import GraphObserver
 from stages.cuda_graphs import GraphConfig, GraphRunner
 from stages.llm import attention
+from stages.llm.decode_mirror import DecodeMirror
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
 from stages.lora import AdapterGate, LoraSlots, rows_use, slots_use
@@ -73,6 +74,8 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.hidden_size = config.hidden_size
         self.decode_graphs = None
+        # CPU decode steps of the same sequences keep their keys and values laid out (stages/llm/decode_mirror.py)
+        self.mirror = DecodeMirror(self.kv.num_layers) if self.device.type == "cpu" else None
         if scratch:
             self.table_width = -(-self.max_context // block_size)  # static block-table columns
             pads = {"input_ids": 0, "positions": 0, "slot_mapping": self.num_blocks * block_size, "context_lens": 0,
@@ -113,6 +116,10 @@ class ModelRunner:
             context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=dev),
             block_tables=tables.to(dev), all_decode=bool((lengths == 1).all()),
             max_query_len=max(len(c.token_ids) for c in chunks))
+        if self.mirror is not None and meta.all_decode and self.mirror.begin(
+                tuple(c.seq.seq_id for c in chunks), [c.context_len for c in chunks], self.kv.block_size,
+                (self.kv.num_kv_heads, self.kv.head_dim), self.dtype, dev):
+            meta.mirror = self.mirror
         inputs = {"input_ids": input_ids[None]}
         if any(c.seq.media for c in chunks):  # embed, then splice each chunk's slice of its media features
             embeds = self.model.get_input_embeddings()(input_ids)  # [T, H]
