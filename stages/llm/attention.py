@@ -49,32 +49,36 @@ class PagedMetadata:
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                             scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
                             softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    meta: PagedMetadata = kwargs["paged"]
-    layer = module.layer_idx
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), meta.k_caches[layer], meta.v_caches[layer],
-             meta.slot_mapping, all_valid=meta.slots_valid)
+    """transformers' attention-function form of `paged_attention`: q/k/v [1, heads, T, D] -> [1, T, Hq, D]."""
+    out = paged_attention(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), kwargs["paged"], scaling, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+def paged_attention(layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata,
+                    scaling: float | None = None, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """One layer's attention for the packed step: q [T, Hq, D], this step's key/value [T, Hkv, D] (written into
+    the paged cache first) -> [T, Hq, D]."""
+    write_kv(key, value, meta.k_caches[layer], meta.v_caches[layer], meta.slot_mapping, all_valid=meta.slots_valid)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if meta.all_decode and sliding_window is None and softcap is None and q.is_cuda:  # the Triton decode kernel
-        out = decode_attention(q, meta.k_caches[layer], meta.v_caches[layer], meta.block_tables, meta.context_lens,
-                               scale)
-    else:
-        layouts = meta.layouts.get(sliding_window)
-        if layouts is None:
-            layouts = meta.layouts[sliding_window] = batched_layouts(
-                q.shape[0], meta.k_caches[layer].shape[1], query_start_loc=meta.query_start_loc,
-                context_lens=meta.context_lens, block_tables=meta.block_tables, sliding_window=sliding_window,
-                max_query_len=meta.max_query_len)
-        dense = None
-        if meta.mirror is not None and len(layouts) == 1 and layouts[0].whole:
-            k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
-            dense = meta.mirror.layer(layer, key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                      lambda: gathered(k_cache, v_cache, layouts[0]))
-        out = paged_attention_batched(q, meta.k_caches[layer], meta.v_caches[layer],
-                                      query_start_loc=meta.query_start_loc, context_lens=meta.context_lens,
-                                      block_tables=meta.block_tables, scale=scale, sliding_window=sliding_window,
-                                      soft_cap=softcap, layouts=layouts, dense=dense)
-    return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+        return decode_attention(q, meta.k_caches[layer], meta.v_caches[layer], meta.block_tables, meta.context_lens,
+                                scale)
+    layouts = meta.layouts.get(sliding_window)
+    if layouts is None:
+        layouts = meta.layouts[sliding_window] = batched_layouts(
+            q.shape[0], meta.k_caches[layer].shape[1], query_start_loc=meta.query_start_loc,
+            context_lens=meta.context_lens, block_tables=meta.block_tables, sliding_window=sliding_window,
+            max_query_len=meta.max_query_len)
+    dense = None
+    if meta.mirror is not None and len(layouts) == 1 and layouts[0].whole:
+        k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
+        dense = meta.mirror.layer(layer, key, value, lambda: gathered(k_cache, v_cache, layouts[0]))
+    return paged_attention_batched(q, meta.k_caches[layer], meta.v_caches[layer],
+                                   query_start_loc=meta.query_start_loc, context_lens=meta.context_lens,
+                                   block_tables=meta.block_tables, scale=scale, sliding_window=sliding_window,
+                                   soft_cap=softcap, layouts=layouts, dense=dense)
 
 
 def register() -> str:

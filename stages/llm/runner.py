@@ -16,6 +16,7 @@ from stages.cuda_graph_metrics import GraphObserver
 from stages.cuda_graphs import GraphConfig, GraphRunner
 from stages.llm import attention
 from stages.llm.decode_mirror import DecodeMirror
+from stages.llm.direct import DirectDecoder
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
 from stages.lora import AdapterGate, LoraSlots, rows_use, slots_use
@@ -54,6 +55,9 @@ class ModelRunner:
         self.model = model
         self.decoder = decoder if decoder is not None else getattr(model, model.base_model_prefix)
         self.mrope = mrope
+        # a plain LM with Llama's layers runs them directly (stages/llm/direct.py); others through transformers
+        self.direct = DirectDecoder(self.decoder) if decoder is None and not mrope and \
+            DirectDecoder.serves(self.decoder) else None
         self.adapters = AdapterGate()  # a served model's Adapters registry replaces it (pipelines/adapters.py)
         self.lora_slots: LoraSlots | None = None  # enable_lora_slots: adapters inside the decode graphs
         config = self.model.config.get_text_config()
@@ -135,8 +139,11 @@ class ModelRunner:
             positions = positions[None]
         adapted = any(c.seq.lora for c in chunks)  # then each token runs with its request's adapters
         with rows_use([c.seq.lora for c in chunks for _ in c.token_ids] if adapted else ()):
-            hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
-                                  paged=meta).last_hidden_state[0]  # [T, H]
+            if self.direct is not None and "input_ids" in inputs:
+                hidden = self.direct(input_ids, positions[0], meta)  # [T, H]
+            else:
+                hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
+                                      paged=meta).last_hidden_state[0]
         row = 0
         for c in chunks:  # sequences that keep their hidden states (a speech decoder reads them); a re-prefill
             if c.seq.hidden is not None:  # after preemption overwrites from its start

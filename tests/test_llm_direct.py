@@ -1,0 +1,89 @@
+"""The direct decoder (stages/llm/direct.py) gives transformers' decoder forward bit for bit, for every model type it
+serves (Llama; Mistral's sliding window; Qwen2's biases; Qwen3's q/k norms), on a packed step of two prefill chunks
+and on the decode step after it; other decoders are left to transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from stages.llm import attention
+from stages.llm.direct import DirectDecoder
+
+SERVED = {
+    "llama": (LlamaForCausalLM, LlamaConfig, {}),
+    "mistral": (MistralForCausalLM, MistralConfig, dict(sliding_window=6)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=16)),
+}
+BLOCK = 4
+
+
+def tiny(cls, config_cls, extra):
+    config = config_cls(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=96, max_position_embeddings=128, **extra)
+    config._attn_implementation = attention.register()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = cls(config).eval()
+        for p in model.parameters():  # biases and norms away from their init, so each is used
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def metadata(caches, lengths: list[int], starts: list[int]) -> attention.PagedMetadata:
+    """A packed step: sequence b feeds tokens [starts[b], starts[b] + lengths[b]), its blocks 8b, 8b + 1, ..."""
+    k, v = caches
+    tables = torch.arange(2 * 8).view(2, 8)
+    slots = torch.cat([tables[b, pos // BLOCK] * BLOCK + pos % BLOCK
+                       for b, pos in enumerate(torch.arange(s, s + n) for s, n in zip(starts, lengths))])
+    q_lens = torch.tensor(lengths)
+    return attention.PagedMetadata(
+        k_caches=k, v_caches=v, slot_mapping=slots, query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                               q_lens.cumsum(0)]),
+        context_lens=torch.tensor([s + n for s, n in zip(starts, lengths)]), block_tables=tables,
+        all_decode=all(n == 1 for n in lengths), max_query_len=max(lengths))
+
+
+@pytest.mark.parametrize("arch", sorted(SERVED))
+@torch.inference_mode()
+def test_the_direct_decoder_equals_transformers_bit_for_bit(arch):
+    model = tiny(*SERVED[arch])
+    decoder = model.model
+    assert DirectDecoder.serves(decoder)
+    direct = DirectDecoder(decoder)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (16, BLOCK, config.num_key_value_heads, head_dim)
+
+    def caches():
+        return ([torch.zeros(shape) for _ in range(2)], [torch.zeros(shape) for _ in range(2)])
+
+    ours, theirs = caches(), caches()
+    gen = torch.Generator().manual_seed(1)
+    for lengths, starts in (([9, 5], [0, 0]), ([1, 1], [9, 5]), ([3, 1], [10, 6])):  # prefill, decode, mixed
+        ids = torch.randint(0, 100, (sum(lengths),), generator=gen)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+        got = direct(ids, positions, metadata(ours, lengths, starts))
+        want = decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                       paged=metadata(theirs, lengths, starts)).last_hidden_state[0]
+        assert torch.equal(got, want), f"{arch}: {(got - want).abs().max()}"
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        assert torch.equal(a, b)  # the same keys and values written
+
+
+def test_other_decoders_go_through_transformers():
+    gemma = tiny(GemmaForCausalLM, GemmaConfig, dict(head_dim=16))
+    assert not DirectDecoder.serves(gemma.model)
