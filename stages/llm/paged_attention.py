@@ -257,7 +257,8 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, l
     else:
         width = layout.num_blocks * k_cache.shape[1]
         k, v = dense[0][:, :, :width].float(), dense[1][:, :, :width].float()
-    q = query[layout.rows].transpose(1, 2).float()  # [B, Hq, q_max, D]
+    rows = query.view(*layout.rows.shape, *query.shape[1:]) if layout.whole else query[layout.rows]  # [B, q_max, ...]
+    q = rows.transpose(1, 2).float()  # [B, Hq, q_max, D]
     if soft_cap is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scale,
                                                                enable_gqa=True)

@@ -113,9 +113,10 @@ class ModelRunner:
         tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
         for i, c in enumerate(chunks):
             tables[i, :len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.long)
+        slots = [s for c in chunks for s in c.slots]
         meta = attention.PagedMetadata(
             k_caches=self.k_caches, v_caches=self.v_caches,
-            slot_mapping=torch.tensor([s for c in chunks for s in c.slots], dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), slots_valid=min(slots) >= 0,
             query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(dev),
             context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=dev),
             block_tables=tables.to(dev), all_decode=bool((lengths == 1).all()),
