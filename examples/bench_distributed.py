@@ -213,15 +213,17 @@ def compare_replicas(sd: str, args) -> None:
 
 def run(args) -> None:
     tmp = tempfile.mkdtemp(prefix="mmserve-bench-dist-")
+    from pipelines.demo import build_demo_model
+
+    sd = args.checkpoint or str(build_demo_model("sd", Path(tmp) / "sd"))
+    llm = args.llm or str(build_demo_model("llama", Path(tmp) / "llama"))
+    if not args.skip_replicas:  # before Ray starts: nothing else on the cores
+        compare_replicas(sd, args)
     address = args.ray_address or _start_local_ray(tmp)
     import ray
 
     ray.init(address=address, namespace="mmserve-bench", log_to_driver=False)
     print("ray nodes:", [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]])
-    from pipelines.demo import build_demo_model
-
-    sd = args.checkpoint or str(build_demo_model("sd", Path(tmp) / "sd"))
-    llm = args.llm or str(build_demo_model("llama", Path(tmp) / "llama"))
     engines = _engines(sd, llm, address, args.threads)
     try:
         compare_backends(engines, args)
@@ -229,10 +231,8 @@ def run(args) -> None:
         for engine in engines.values():
             engine.shutdown()
         ray.shutdown()
-        if not args.ray_address:
-            subprocess.run([_ray_bin(), "stop", "--force"], capture_output=True, timeout=60)
-    if not args.skip_replicas:  # after Ray is gone: nothing else on the cores
-        compare_replicas(sd, args)
+    # A Ray started here needs no `ray stop` (~20 s): when this process exits, so does the namespace's first process
+    # (the bash that ran it), and the kernel kills everything left in the namespace.
 
 
 def main() -> None:
