@@ -30,11 +30,14 @@ from typing import Any
 import torch
 
 from stages.events import ErrorKind, StageError
+from stages.zygote import Forked, Zygote
 
 log = logging.getLogger(__name__)
 
 HEADER_TAG, OUTPUT_TAG, TIMES_TAG, STATUS_TAG = 1, 2, 3, 4
 START_TIMEOUT_S = 600.0  # every rank has loaded its denoiser within this
+# Forks every rank of this process's parallel replicas; what any rank imports, imported once.
+ZYGOTE = Zygote(preload=("torch", "diffusers", "transformers", "stages.diffusion.ranks"))
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class RankGroup:
         self.host = host
         self.observe = observe or (lambda rank, compute, collective: None)
         self.notes: dict[int, Any] = {}  # each busy rank's `rank_notes()` after the last forward
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[Forked] = []
         self._pg: Any = None
         self._dir: tempfile.TemporaryDirectory | None = None
         self._lock = threading.Lock()
@@ -157,14 +160,15 @@ class RankGroup:
         """Start ranks 1..N-1 and join the group with them (blocks until every rank has loaded)."""
         self._dir = tempfile.TemporaryDirectory(prefix="mmserve-ranks-")
         for rank in range(1, self.plan.world):
-            # A fresh interpreter running this module (not multiprocessing's spawn, which imports the caller's
-            # __main__ again: a user's unguarded script would start a second engine in the rank).
+            # A fork of the zygote (stages/zygote.py: the heavy imports done once, so a restart after a lost rank
+            # takes no new interpreter), not multiprocessing's spawn, which imports the caller's __main__ again: a
+            # user's unguarded script would start a second engine in the rank.
             args = os.path.join(self._dir.name, f"rank{rank}.pickle")
             with open(args, "wb") as f:
                 pickle.dump((self.plan.load(rank), self.plan.setup, rank, self.plan.world, self.plan.devices[rank],
                              self.plan.threads, self._dir.name, self.plan.timeout_s), f)
-            self._procs.append(subprocess.Popen([sys.executable, "-m", "stages.diffusion.ranks", args],
-                                                stdin=subprocess.DEVNULL))
+            self._procs.append(ZYGOTE.launch("stages.diffusion.ranks:rank_from_file", args,
+                                             preload=(type(self.plan.load).__module__,)))
         if self.plan.setup is not None:
             self.plan.setup(self.host, 0, self._dir.name)
         self._pg = _process_group(os.path.join(self._dir.name, "store"), 0, self.plan.world, self.plan.devices[0],
@@ -282,6 +286,11 @@ class RankGroup:
         self._reap(grace_s=5.0)
 
 
-if __name__ == "__main__":  # a rank's process (RankGroup.start): its arguments pickled in the file named
-    with open(sys.argv[1], "rb") as f:
+def rank_from_file(path: str) -> None:
+    """A rank's process (RankGroup.start): `rank_main` with the arguments pickled in the file at `path`."""
+    with open(path, "rb") as f:
         rank_main(*pickle.load(f))
+
+
+if __name__ == "__main__":
+    rank_from_file(sys.argv[1])
