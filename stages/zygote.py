@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from typing import TextIO
 
 
 class Forked:
@@ -32,15 +33,18 @@ class Forked:
 
     def __init__(self, pid: int):
         self.pid = pid
-        self._fd: int | None = os.pidfd_open(pid)
         self.returncode: int | None = None
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # it ended, and was reaped, before the reply reached us
+            self._fd = None
 
     def poll(self) -> int | None:
         return self.wait(0) if self._ended(0) else None
 
     def wait(self, timeout: float | None = None) -> int:
         if not self._ended(timeout):
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
         self.returncode = -1
         if self._fd is not None:
             os.close(self._fd)
@@ -71,7 +75,7 @@ class Zygote:
     def __init__(self, preload: tuple[str, ...] = ()):
         self.preload = preload  # imported when the zygote starts, before the first request
         self._proc: subprocess.Popen | None = None
-        self._replies = None
+        self._replies: TextIO | None = None
         self._lock = threading.Lock()
 
     def launch(self, target: str, argument: str, preload: tuple[str, ...] = ()) -> Forked:
@@ -80,20 +84,9 @@ class Zygote:
         request = {"target": target, "argument": argument, "preload": list(preload), "env": dict(os.environ),
                    "cwd": os.getcwd()}
         with self._lock:
-            for attempt in range(2):  # a zygote that died since the last launch is started again once
-                if self._proc is None or self._proc.poll() is not None:
-                    self._start()
-                try:
-                    self._proc.stdin.write(json.dumps(request) + "\n")
-                    self._proc.stdin.flush()
-                    line = self._replies.readline()
-                except (BrokenPipeError, OSError):
-                    line = ""
-                if line:
-                    break
-                self._close()
-                if attempt:
-                    raise RuntimeError("the zygote process ended before it forked the worker")
+            line = self._ask(json.dumps(request)) or self._ask(json.dumps(request))  # a zygote that died: once more
+        if not line:
+            raise RuntimeError("the zygote process ended before it forked the worker")
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"the zygote could not fork {target}: {reply['error']}")
@@ -102,6 +95,21 @@ class Zygote:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+    def _ask(self, request: str) -> str:
+        """One request line to the zygote (started first if it is not running); its reply line, "" if it died."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        assert self._proc is not None and self._proc.stdin is not None and self._replies is not None
+        try:
+            self._proc.stdin.write(request + "\n")
+            self._proc.stdin.flush()
+            line = self._replies.readline()
+        except OSError:  # BrokenPipeError: it died
+            line = ""
+        if not line:
+            self._close()
+        return line
 
     def _start(self) -> None:
         self._close()
@@ -116,7 +124,8 @@ class Zygote:
     def _close(self) -> None:
         if self._proc is not None:
             try:
-                self._proc.stdin.close()  # the zygote reads EOF and exits; its children live on
+                if self._proc.stdin is not None:
+                    self._proc.stdin.close()  # the zygote reads EOF and exits; its children live on
             except OSError:
                 pass
             try:
