@@ -51,12 +51,18 @@ class Forked:
             self._fd = None
         return self.returncode
 
-    def kill(self) -> None:
+    def send_signal(self, sig: int) -> None:
         if self._fd is not None:
             try:
-                signal.pidfd_send_signal(self._fd, signal.SIGKILL)
+                signal.pidfd_send_signal(self._fd, sig)
             except ProcessLookupError:  # it has ended already
                 pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def _ended(self, timeout: float | None) -> bool:
         if self._fd is None:
@@ -72,17 +78,20 @@ class Forked:
 class Zygote:
     """The caller's side: starts the zygote process on the first launch (and again if it died)."""
 
-    def __init__(self, preload: tuple[str, ...] = ()):
+    def __init__(self, preload: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.preload = preload  # imported when the zygote starts, before the first request
+        self.env = env  # the zygote's own environment, what its imports see (None: this process's)
         self._proc: subprocess.Popen | None = None
         self._replies: TextIO | None = None
         self._lock = threading.Lock()
 
-    def launch(self, target: str, argument: str, preload: tuple[str, ...] = ()) -> Forked:
+    def launch(self, target: str, argument: str, preload: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               cwd: str | None = None) -> Forked:
         """Fork a child that runs `target` ("package.module:function") with `argument`, after the zygote has
-        imported `preload`; the child's environment and working directory are this process's now."""
-        request = {"target": target, "argument": argument, "preload": list(preload), "env": dict(os.environ),
-                   "cwd": os.getcwd()}
+        imported `preload`; the child's environment and working directory are `env` and `cwd`, by default this
+        process's now."""
+        request = {"target": target, "argument": argument, "preload": list(preload),
+                   "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd())}
         with self._lock:
             line = self._ask(json.dumps(request)) or self._ask(json.dumps(request))  # a zygote that died: once more
         if not line:
@@ -116,7 +125,7 @@ class Zygote:
         read, write = os.pipe()
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "stages.zygote", str(write), *self.preload],
-                                          stdin=subprocess.PIPE, pass_fds=(write,), text=True)
+                                          stdin=subprocess.PIPE, pass_fds=(write,), text=True, env=self.env)
         finally:
             os.close(write)
         self._replies = os.fdopen(read, "r")

@@ -6,6 +6,7 @@ No tests here; the serve test modules import from this file.
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import subprocess
@@ -16,8 +17,13 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from stages.zygote import Zygote
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Test servers are forks of one process that imported the server's modules once (~7 s of a fresh interpreter's
+# start on 2 cores): the same `mmserve serve` main, run in a process of its own.
+SERVERS = Zygote(preload=("serve.cli", "serve.app"), env=ENV)
 
 
 def free_port() -> int:
@@ -42,8 +48,22 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log_tail=lamb
     raise TimeoutError(f"server not ready within {timeout_s}s:\n{log_tail()}")
 
 
+def serve_in_child(argument: str) -> None:
+    """A forked test server's body (Server): its output to its log, then `mmserve serve`'s main."""
+    spec = json.loads(argument)
+    log = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    from serve.cli import main
+
+    sys.exit(main(spec["argv"]))
+
+
 class Server:
-    """`python -m serve.cli serve --config FILE` in a subprocess; `url` once /ready answers 200."""
+    """`mmserve serve --config FILE` (`python -m serve.cli`'s main) in a process of its own, forked from SERVERS;
+    `url` once /ready answers 200. Its exit status is not kept (proc.wait() gives -1): a test that checks it
+    starts its server with Popen."""
 
     def __init__(self, workdir: Path, config_toml: str, *, extra_args: tuple[str, ...] = (),
                  ready_timeout_s: float = 120, env: dict[str, str] | None = None):
@@ -53,10 +73,10 @@ class Server:
         config.write_text(config_toml)
         self.log_path = workdir / "server.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serve.cli", "--log-level", "warning", "serve", "--port", str(self.port),
-             "--config", str(config), *extra_args],
-            cwd=REPO, env={**ENV, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT)
+        argv = ["--log-level", "warning", "serve", "--port", str(self.port), "--config", str(config), *extra_args]
+        self.proc = SERVERS.launch("tests.test_serve_support:serve_in_child",
+                                   json.dumps({"log": str(self.log_path), "argv": argv}), env={**ENV, **(env or {})},
+                                   cwd=str(REPO))
         self._wait_ready(ready_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
