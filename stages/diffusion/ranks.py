@@ -147,7 +147,7 @@ class RankGroup:
         self.host = host
         self.observe = observe or (lambda rank, compute, collective: None)
         self.notes: dict[int, Any] = {}  # each busy rank's `rank_notes()` after the last forward
-        self._procs: list[Forked] = []
+        self._procs: list[Forked | subprocess.Popen] = []
         self._pg: Any = None
         self._dir: tempfile.TemporaryDirectory | None = None
         self._lock = threading.Lock()
@@ -160,15 +160,21 @@ class RankGroup:
         """Start ranks 1..N-1 and join the group with them (blocks until every rank has loaded)."""
         self._dir = tempfile.TemporaryDirectory(prefix="mmserve-ranks-")
         for rank in range(1, self.plan.world):
-            # A fork of the zygote (stages/zygote.py: the heavy imports done once, so a restart after a lost rank
-            # takes no new interpreter), not multiprocessing's spawn, which imports the caller's __main__ again: a
-            # user's unguarded script would start a second engine in the rank.
+            # On a CPU a fork of the zygote (stages/zygote.py: the heavy imports done once, so a restart after a
+            # lost rank takes no new interpreter); never multiprocessing's spawn, which imports the caller's
+            # __main__ again: a user's unguarded script would start a second engine in the rank.
             args = os.path.join(self._dir.name, f"rank{rank}.pickle")
             with open(args, "wb") as f:
                 pickle.dump((self.plan.load(rank), self.plan.setup, rank, self.plan.world, self.plan.devices[rank],
                              self.plan.threads, self._dir.name, self.plan.timeout_s), f)
-            self._procs.append(ZYGOTE.launch("stages.diffusion.ranks:rank_from_file", args,
-                                             preload=(type(self.plan.load).__module__,)))
+            if any(d.startswith("cuda") for d in self.plan.devices):
+                # CUDA and fork do not mix (a driver initialized before the fork fails in the child): a fresh
+                # interpreter, whose imports cost little beside a GPU model's load
+                self._procs.append(subprocess.Popen([sys.executable, "-m", "stages.diffusion.ranks", args],
+                                                    stdin=subprocess.DEVNULL))
+            else:
+                self._procs.append(ZYGOTE.launch("stages.diffusion.ranks:rank_from_file", args,
+                                                 preload=(type(self.plan.load).__module__,)))
         if self.plan.setup is not None:
             self.plan.setup(self.host, 0, self._dir.name)
         self._pg = _process_group(os.path.join(self._dir.name, "store"), 0, self.plan.world, self.plan.devices[0],
