@@ -123,9 +123,11 @@ class Zygote:
     def _start(self) -> None:
         self._close()
         read, write = os.pipe()
+        # torch.cuda.is_available() by NVML, not by starting CUDA's driver: a driver started here fails in a fork
+        env = {**(os.environ if self.env is None else self.env), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "stages.zygote", str(write), *self.preload],
-                                          stdin=subprocess.PIPE, pass_fds=(write,), text=True, env=self.env)
+                                          stdin=subprocess.PIPE, pass_fds=(write,), text=True, env=env)
         finally:
             os.close(write)
         self._replies = os.fdopen(read, "r")
@@ -194,6 +196,9 @@ def main(reply_fd: int, preload: list[str]) -> None:
         try:
             for module in request["preload"]:
                 importlib.import_module(module)
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                raise RuntimeError("an import started CUDA in the zygote, and a forked child cannot use it")
             pid = os.fork()
         except Exception as e:
             replies.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")

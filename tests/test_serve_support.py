@@ -74,9 +74,13 @@ class Server:
         self.log_path = workdir / "server.log"
         self._log = open(self.log_path, "wb")
         argv = ["--log-level", "warning", "serve", "--port", str(self.port), "--config", str(config), *extra_args]
-        self.proc = SERVERS.launch("tests.test_serve_support:serve_in_child",
-                                   json.dumps({"log": str(self.log_path), "argv": argv}), env={**ENV, **(env or {})},
-                                   cwd=str(REPO))
+        env = {**ENV, **(env or {})}
+        try:
+            self.proc = SERVERS.launch("tests.test_serve_support:serve_in_child",
+                                       json.dumps({"log": str(self.log_path), "argv": argv}), env=env, cwd=str(REPO))
+        except RuntimeError:  # the zygote cannot fork here (CUDA started in it): a fresh interpreter
+            self.proc = subprocess.Popen([sys.executable, "-m", "serve.cli", *argv], cwd=REPO, env=env,
+                                         stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_ready(ready_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
