@@ -90,10 +90,10 @@ class Zygote:
         """Fork a child that runs `target` ("package.module:function") with `argument`, after the zygote has
         imported `preload`; the child's environment and working directory are `env` and `cwd`, by default this
         process's now."""
-        request = {"target": target, "argument": argument, "preload": list(preload),
-                   "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd())}
+        request = json.dumps({"target": target, "argument": argument, "preload": list(preload),
+                              "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd())})
         with self._lock:
-            line = self._ask(json.dumps(request)) or self._ask(json.dumps(request))  # a zygote that died: once more
+            line = self._ask(request) or self._ask(request)  # a zygote that died: once more
         if not line:
             raise RuntimeError("the zygote process ended before it forked the worker")
         reply = json.loads(line)

@@ -70,6 +70,5 @@ class DirectDecoder:
             q, k = self.rotate(q, k, cos, sin, unsqueeze_dim=1)
             out = attention.paged_attention(attn.layer_idx, q, k, v, meta, attn.scaling, window)
             hidden = residual + attn.o_proj(out.reshape(tokens, -1))
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return decoder.norm(hidden)
