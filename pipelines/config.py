@@ -373,6 +373,10 @@ class EngineConfig:
     # pool's `threads` for each batch or loop step (stages/thread_budget.py). None: twice the CPUs this process may
     # run on (os.sched_getaffinity), so two busy stages each run on every core and a third waits.
     cpu_threads: int | None = None
+    # Freed host memory each malloc arena keeps for the next step instead of returning it to the kernel (MiB;
+    # glibc; stages/host_memory.py): a CPU model's steps free and reallocate tens of MB each, and every returned
+    # page costs a fault and a zeroing when it is touched again. 0: the allocator's own thresholds.
+    host_memory_keep_mb: int = 256
     voices: tuple[VoiceSpec, ...] = ()  # realtime voice models, composed of the models above
     realtime: RealtimeConfig = RealtimeConfig()
     # Where the model stages run (DESIGN §3): "local", threads in this process; "ray", each pool replica a Ray actor
@@ -402,6 +406,10 @@ class EngineConfig:
                                              or self.cpu_threads < 1):
             raise ValueError(f"engine.cpu_threads must be a whole number >= 1 (or unset: twice the CPUs this process "
                              f"may run on), got {self.cpu_threads!r}")
+        if isinstance(self.host_memory_keep_mb, bool) or not isinstance(self.host_memory_keep_mb, int) or \
+                not 0 <= self.host_memory_keep_mb <= 2047:
+            raise ValueError(f"engine.host_memory_keep_mb must be a whole number of MiB from 0 (the allocator's "
+                             f"default) to 2047, got {self.host_memory_keep_mb!r}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")

@@ -44,6 +44,7 @@ from pipelines.vlm import VLMChatModel
 from pipelines.voice_turn import VoiceTurnRequest, fit_prompt, heard_prompt, turn_graph
 from stages.device_memory import DeviceMemory
 from stages.executor import GraphExecutor
+from stages.host_memory import retain_freed_memory
 from stages.metrics import Metrics
 from stages.request_state import RequestHandle, settled
 from stages.thread_budget import ThreadBudget, one_thread
@@ -87,6 +88,7 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Load every model, start the pools, warm each model with one tiny request; then ready."""
+        retain_freed_memory(self.config.host_memory_keep_mb)
         self.executor.start()
         try:
             if self.config.backend == "ray":  # the address and every pool's resources checked before any load

@@ -35,6 +35,8 @@
     request_timeout_s = 600
     cpu_threads = 4               # torch threads CPU stage workers run at once, all pools together; default:
                                   # twice the CPUs this process may use (stages/thread_budget.py)
+    host_memory_keep_mb = 256     # freed host memory each malloc arena keeps for the next step (glibc; 0: its
+                                  # default thresholds; stages/host_memory.py)
     backend = "local"             # or "ray": each pool replica of a model stage is a Ray actor (pip install
                                   # "mmserve[ray]"; README "Running on a Ray cluster")
     ray_address = "10.0.0.1:6379" # backend = "ray": the cluster's head; unset: a Ray instance started here

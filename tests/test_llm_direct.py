@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from stages.llm import attention
-from stages.llm.direct import DirectDecoder
+from stages.llm.direct import DirectDecoder, Rotary
 
 SERVED = {
     "llama": (LlamaForCausalLM, LlamaConfig, {}),
@@ -57,19 +57,24 @@ def metadata(caches, lengths: list[int], starts: list[int]) -> attention.PagedMe
         all_decode=all(n == 1 for n in lengths), max_query_len=max(lengths))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", sorted(SERVED))
 @torch.inference_mode()
-def test_the_direct_decoder_equals_transformers_bit_for_bit(arch):
-    model = tiny(*SERVED[arch])
+def test_the_direct_decoder_equals_transformers_bit_for_bit(arch, dtype):
+    model = tiny(*SERVED[arch]).to(dtype)
     decoder = model.model
     assert DirectDecoder.serves(decoder)
     direct = DirectDecoder(decoder)
+    # the short forms are the ones compared: the rotation in 4 ops a tensor, torch's rms_norm for float32's norms
+    assert direct.rotary.exact
+    norms = (decoder.layers[0].input_layernorm, decoder.layers[0].post_attention_layernorm)
+    assert all((ours is not theirs) == (dtype == torch.float32) for ours, theirs in zip(direct.norms[0], norms))
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = (16, BLOCK, config.num_key_value_heads, head_dim)
 
     def caches():
-        return ([torch.zeros(shape) for _ in range(2)], [torch.zeros(shape) for _ in range(2)])
+        return ([torch.zeros(shape, dtype=dtype) for _ in range(2)], [torch.zeros(shape, dtype=dtype) for _ in range(2)])
 
     ours, theirs = caches(), caches()
     gen = torch.Generator().manual_seed(1)
@@ -87,3 +92,15 @@ def test_the_direct_decoder_equals_transformers_bit_for_bit(arch):
 def test_other_decoders_go_through_transformers():
     gemma = tiny(GemmaForCausalLM, GemmaConfig, dict(head_dim=16))
     assert not DirectDecoder.serves(gemma.model)
+
+
+def test_a_model_with_another_rotation_keeps_its_own():
+    """The short rotation is taken only where the model's own function gives its result: GPT-J's interleaved
+    pairs do not, so such a model keeps its function."""
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        def rotate(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+    assert not Rotary(interleaved, torch.float32).exact

@@ -7,6 +7,7 @@ paged implementations must agree with plain attention over the dense tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -149,6 +150,22 @@ def test_a_mixed_step_keeps_decodes_apart_from_prefill_chunks():
     decode_only = batched_layouts(3, 4, query_start_loc=torch.arange(4), context_lens=torch.tensor([1, 9, 33]),
                                   block_tables=layout.block_tables[:3], max_query_len=1)
     assert len(decode_only) == 1 and decode_only[0].whole
+
+
+@pytest.mark.parametrize("window", [None, 5, 1])
+def test_the_decode_layout_equals_the_general_one(window):
+    """A decode step's layout (max_query_len=1: built in half the ops) is the general layout field for field,
+    with a padding row (context 0) and tables padded with -1, whether the longest context comes from the host
+    (max_context_len) or is read from the tensor."""
+    layout = make_layout([6, 1, 9, 17], 4, 2, 16, seed=6, pad=-1)
+    args = dict(query_start_loc=torch.arange(5), context_lens=torch.tensor([6, 0, 9, 17]),
+                block_tables=layout.block_tables, sliding_window=window)
+    (general,) = batched_layouts(4, 4, **args)
+    for longest in (None, 17):
+        (decode,) = batched_layouts(4, 4, max_query_len=1, max_context_len=longest, **args)
+        for field in dataclasses.fields(general):
+            ours, theirs = getattr(decode, field.name), getattr(general, field.name)
+            assert torch.equal(ours, theirs) if isinstance(theirs, torch.Tensor) else ours == theirs, field.name
 
 
 def test_batched_path_zeroes_padding_rows_as_the_reference():

@@ -41,6 +41,7 @@ class PagedMetadata:
     all_decode: bool  # every sequence feeds exactly one token
     slots_valid: bool = False  # no -1 slot: the KV write needs no filter (graph replay: padding uses a scratch slot)
     max_query_len: int | None = None  # the longest chunk of the step, known on the host (1: every row decodes)
+    max_context_len: int | None = None  # the longest context of the step, known on the host
     mirror: DecodeMirror | None = None  # a CPU decode step's keys and values kept laid out across steps
     # per sliding window: built by the first layer that needs them, shared by the rest
     layouts: dict[int | None, tuple[BatchedLayout, ...]] = field(default_factory=dict)
@@ -70,7 +71,7 @@ def paged_attention(layer: int, q: torch.Tensor, key: torch.Tensor, value: torch
         layouts = meta.layouts[sliding_window] = batched_layouts(
             q.shape[0], meta.k_caches[layer].shape[1], query_start_loc=meta.query_start_loc,
             context_lens=meta.context_lens, block_tables=meta.block_tables, sliding_window=sliding_window,
-            max_query_len=meta.max_query_len)
+            max_query_len=meta.max_query_len, max_context_len=meta.max_context_len)
     dense = None
     if meta.mirror is not None and len(layouts) == 1 and layouts[0].whole:
         k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]

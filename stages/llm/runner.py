@@ -7,6 +7,7 @@ M-RoPE: the runner then embeds the prompt itself and splices the media features 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -105,24 +106,25 @@ class ModelRunner:
                                                   for c in chunks):
             return self.decode_graphs(self._decode_inputs(chunks))
         dev = self.device
+        # the step's metadata from host lists, one tensor each (no per-sequence tensors, no reads back)
+        lengths = [len(c.token_ids) for c in chunks]
+        ends = list(itertools.accumulate(lengths))
+        context_lens = [c.context_len for c in chunks]
+        width = max(len(c.block_ids) for c in chunks)
+        slots = [s for c in chunks for s in c.slots]
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=dev)
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.context_len)], dtype=torch.long,
                                  device=dev)
-        lengths = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.long)
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.long)
-        slots = [s for c in chunks for s in c.slots]
         meta = attention.PagedMetadata(
             k_caches=self.k_caches, v_caches=self.v_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), slots_valid=min(slots) >= 0,
-            query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(dev),
-            context_lens=torch.tensor([c.context_len for c in chunks], dtype=torch.long, device=dev),
-            block_tables=tables.to(dev), all_decode=bool((lengths == 1).all()),
-            max_query_len=max(len(c.token_ids) for c in chunks))
+            query_start_loc=torch.tensor([0, *ends], dtype=torch.long, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
+            block_tables=torch.tensor([(*c.block_ids, *(0,) * (width - len(c.block_ids))) for c in chunks],
+                                      dtype=torch.long, device=dev),
+            all_decode=max(lengths) == 1, max_query_len=max(lengths), max_context_len=max(context_lens))
         if self.mirror is not None and meta.all_decode and self.mirror.begin(
-                tuple(c.seq.seq_id for c in chunks), [c.context_len for c in chunks], self.kv.block_size,
+                tuple(c.seq.seq_id for c in chunks), context_lens, self.kv.block_size,
                 (self.kv.num_kv_heads, self.kv.head_dim), self.dtype, dev):
             meta.mirror = self.mirror
         inputs = {"input_ids": input_ids[None]}
@@ -151,8 +153,7 @@ class ModelRunner:
                 del c.seq.hidden[c.start:]
                 c.seq.hidden.extend(hidden[row:row + len(c.token_ids)].float().cpu().unbind(0))
             row += len(c.token_ids)
-        last = torch.tensor([int(meta.query_start_loc[i + 1]) - 1 for i, c in enumerate(chunks) if c.sample],
-                            dtype=torch.long, device=dev)
+        last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.sample], dtype=torch.long, device=dev)
         logits = self.model.get_output_embeddings()(hidden[last]).float()
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
