@@ -74,7 +74,7 @@ def test_the_direct_decoder_equals_transformers_bit_for_bit(arch, dtype):
     shape = (16, BLOCK, config.num_key_value_heads, head_dim)
 
     def caches():
-        return ([torch.zeros(shape, dtype=dtype) for _ in range(2)], [torch.zeros(shape, dtype=dtype) for _ in range(2)])
+        return tuple([torch.zeros(shape, dtype=dtype) for _ in range(2)] for _ in range(2))
 
     ours, theirs = caches(), caches()
     gen = torch.Generator().manual_seed(1)
