@@ -9,10 +9,11 @@
 3. Time to first token of a request whose long prefix (--prefix tokens) is in the prefix cache, vs the request
    that put it there (its prefix new), over --repeats prefixes.
 
-Every side is warmed first; then --repeats rounds, each running every side once with the order rotated
-between rounds and fresh prompts per round (the same on every side, so the prefix cache saves nothing), after
-a quiet second (--quiet-wait). Every run is printed with the load average and the cores other processes used,
-then the medians. Without --checkpoint it builds the "small" demo Llama (random weights). Ratios are the result.
+Every side is warmed first, once at the run's shapes (the n prompts, 4 new tokens); then --repeats rounds, each
+running every side once with the order rotated between rounds and fresh prompts per round (the same on every
+side, so the prefix cache saves nothing), after a quiet second (--quiet-wait). Every run is printed with the load
+average and the cores other processes used, then the medians. Without --checkpoint it builds the "small" demo
+Llama (random weights). Ratios are the result.
 """
 
 from __future__ import annotations
@@ -129,8 +130,11 @@ def throughput(checkpoint: str, ref: Generate, args) -> dict[str, float]:
     fresh = lambda r: _prompts(vocab, n, args.prompt, seed=100 + r)  # noqa: E731
     engine = _engine(checkpoint, args)
     try:
-        _submit(engine, fresh(-1)[0][:16], 4).result()  # warm
-        ref.run([fresh(-1)[0][:16]], 4, batched=False)
+        warm = fresh(-1)  # every side once at the run's shapes (a batch of n prompts), 4 new tokens
+        for handle in [_submit(engine, p, 4) for p in warm]:
+            handle.result()
+        ref.run(warm, 4, batched=True)
+        ref.run(warm[:1], 4, batched=False)
 
         def ours(r):
             outs = [h.result(timeout=3600) for h in [_submit(engine, p, args.output) for p in fresh(r)]]
@@ -170,7 +174,9 @@ def server(checkpoint: str, ref: Generate, args) -> dict[str, float]:
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(base, proc)
-        asyncio.run(_completions(base, fresh(-1)[:1], 4))  # warm
+        asyncio.run(_completions(base, fresh(-1), 4))  # warm: every side once at the run's shapes
+        ref.run(fresh(-1), 4, batched=True)
+        ref.run(fresh(-1)[:1], 4, batched=False)
 
         def ours(r):
             assert asyncio.run(_completions(base, fresh(r), args.server_output)) == n * args.server_output

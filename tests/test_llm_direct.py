@@ -104,3 +104,16 @@ def test_a_model_with_another_rotation_keeps_its_own():
         return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
 
     assert not Rotary(interleaved, torch.float32).exact
+
+
+@torch.inference_mode()
+def test_a_norm_patched_after_the_decoder_is_built_is_called():
+    """use_fused_norms (stages/kernels/patch.py) patches the norms' forward once the runner exists: the patched
+    forward is what runs."""
+    model = tiny(*SERVED["llama"])
+    direct = DirectDecoder(model.model)
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(3, model.config.hidden_size)
+    assert torch.equal(direct.norms[0][0](x), norm(x))
+    norm.forward = lambda hidden: torch.zeros_like(hidden)
+    assert torch.equal(direct.norms[0][0](x), torch.zeros_like(x))

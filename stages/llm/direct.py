@@ -34,7 +34,7 @@ def norm_call(module) -> Callable[[torch.Tensor], torch.Tensor]:
         return module
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype != torch.float32 or "forward" in module.__dict__:  # a forward patched on since (Triton norms)
             return module(x)
         return F.rms_norm(x, module.weight.shape, module.weight, module.variance_epsilon)
     return call
