@@ -427,3 +427,18 @@ def test_random_operations_keep_invariants(seed):
     bm.reset_prefix_cache()
     assert bm.num_cached_blocks == 0
     bm.check_invariants()
+
+
+def test_tokens_read_prompt_and_outputs_as_one_list():
+    """Sequence.tokens (what a step's bookkeeping reads) is token_ids without the copy: the same length, items
+    and slices, across the prompt's end too."""
+    from stages.llm.sequence import Tokens
+
+    prompt, output = [5, 6, 7, 8], [9, 10, 11]
+    tokens, whole = Tokens(prompt, output), prompt + output
+    assert len(tokens) == len(whole) and [tokens[i] for i in range(-7, 7)] == [whole[i] for i in range(-7, 7)]
+    for start in range(8):
+        for stop in range(start, 9):
+            assert tokens[start:stop] == whole[start:stop]
+    output.append(12)  # a view: a token sampled since is in it
+    assert len(tokens) == 8 and tokens[6:8] == [11, 12]

@@ -20,7 +20,7 @@ entry, so a hash collision, at any depth of the chain, is a miss and never wrong
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 _ROOT_UID = 0  # parent identity of a sequence's first block
@@ -153,7 +153,7 @@ class BlockManager:
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
         return self._append_cost(table, num_new_tokens) <= self.num_free_blocks
 
-    def append(self, table: BlockTable, token_ids: list[int], num_new_tokens: int) -> list[tuple[int, int]]:
+    def append(self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int) -> list[tuple[int, int]]:
         """Assign `num_new_tokens` more slots; return the (src, dst) block copies the runner must
         apply before writing them.
 
@@ -234,7 +234,7 @@ class BlockManager:
         return [table.block_ids[p // size] * size + p % size for p in range(start, end)]
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def mark_computed(self, table: BlockTable, token_ids: list[int], num_computed_tokens: int,
+    def mark_computed(self, table: BlockTable, token_ids: Sequence[int], num_computed_tokens: int,
                       namespace: Hashable | None = None) -> None:
         """Register the table's full blocks whose KV is now written (positions < num_computed_tokens).
 

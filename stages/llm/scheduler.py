@@ -124,7 +124,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            copies += self.blocks.append(seq.block_table, seq.token_ids, self._new_slots(seq, n))
+            copies += self.blocks.append(seq.block_table, seq.tokens, self._new_slots(seq, n))
             chunks.append(self._chunk(seq, n))
             budget -= n
 
@@ -152,7 +152,7 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is SeqStatus.RUNNING and seq.block_table is not None:
                 seq.num_computed_tokens = max(seq.num_computed_tokens, chunk.context_len)
-                self.blocks.mark_computed(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.namespace)
+                self.blocks.mark_computed(seq.block_table, seq.tokens, seq.num_computed_tokens, seq.namespace)
 
     # -- helpers --------------------------------------------------------------------------------
     def _next_waiting(self) -> Sequence:
@@ -172,7 +172,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, n: int) -> Chunk:
         start = seq.num_computed_tokens
         table = seq.block_table
-        return Chunk(seq, start, tuple(seq.token_ids[start:start + n]),
+        return Chunk(seq, start, tuple(seq.tokens[start:start + n]),
                      tuple(self.blocks.slot_mapping(table, start, start + n)), tuple(table.block_ids),
                      sample=start + n == seq.num_tokens)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,33 @@ class SeqStatus(str, enum.Enum):
     WAITING = "waiting"  # admitted (capacity reserved), no blocks yet, or preempted back here
     RUNNING = "running"  # holds blocks; prefilling or decoding
     FINISHED = "finished"  # stopped (stop/length) or aborted; blocks released
+
+
+class Tokens(abc.Sequence):
+    """A sequence's prompt then its outputs, read in place: len(), items and slices of the two lists as one."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, part):  # an int -> its token; a slice -> a list
+        if not isinstance(part, slice):
+            index = part + len(self) if part < 0 else part
+            cut = len(self.prompt)
+            return self.prompt[index] if index < cut else self.output[index - cut]
+        start, stop, step = part.indices(len(self))
+        if step != 1:
+            raise ValueError("Tokens are sliced with step 1")
+        cut = len(self.prompt)
+        if start >= cut:
+            return self.output[start - cut:stop - cut]
+        if stop <= cut:
+            return self.prompt[start:stop]
+        return self.prompt[start:] + self.output[:stop - cut]
 
 
 @dataclass(eq=False)
@@ -44,6 +72,11 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def tokens(self) -> Tokens:
+        """token_ids without the copy: what a decode step's bookkeeping reads (its length and a slice or two)."""
+        return Tokens(self.prompt_ids, self.output_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -120,8 +120,12 @@ class LLMStage(LoopStage):
         self.scheduler = Scheduler(self.blocks, scheduler)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.metrics = metrics
-        self._ttft = metrics.llm.ttft.labels(model=model)  # per-row series, looked up once (the step is hot)
-        self._itl = metrics.llm.itl.labels(model=model)
+        m = metrics.llm  # the series this model's steps write, looked up once (the step is hot)
+        self._ttft, self._itl = m.ttft.labels(model=model), m.itl.labels(model=model)
+        self._forward_seqs, self._tokens = m.forward_seqs.labels(model=model), m.tokens.labels(model=model)
+        self._gauges = (m.running.labels(model=model), m.waiting.labels(model=model),
+                        *(m.blocks.labels(model=model, state=state) for state in ("free", "used", "cached")),
+                        m.prefix_hit_tokens.labels(model=model), m.preemptions.labels(model=model))
         self._ids = itertools.count()
         self._owner: dict[int, WorkItem] = {}  # seq id -> its request's item
         self._grammars: Grammars | None = None  # made at the first constrained request
@@ -206,7 +210,7 @@ class LLMStage(LoopStage):
             self._observe()
             return
         logits = self.runner.execute(plan)  # 2. run
-        self.metrics.llm.forward_seqs.labels(model=self.model).observe(len(plan.chunks))
+        self._forward_seqs.observe(len(plan.chunks))
         self.scheduler.commit(plan)  # 3. commit: KV of the plan's chunks is written
         self._sample_and_publish(plan, logits)
         self._observe()
@@ -231,7 +235,9 @@ class LLMStage(LoopStage):
         if constrained:
             constraint = Constraint(self.grammars, constrained, [rows[r].matcher for r in constrained],
                                     [rows[r].params.response_format.kind.startswith("json") for r in constrained])
-        out = sample(logits[row_logits], [s.params for s in rows], [s.prompt_ids for s in rows],
+        if row_logits != list(range(logits.shape[0])):  # some rows dropped or forked: their logits picked
+            logits = logits[row_logits]
+        out = sample(logits, [s.params for s in rows], [s.prompt_ids for s in rows],
                      [s.output_ids for s in rows], [s.generator for s in rows], constraint)
         now = time.monotonic()
         for r, seq in enumerate(rows):
@@ -246,7 +252,7 @@ class LLMStage(LoopStage):
                 self._itl.observe(now - item.state["last"])
             item.state["last"] = now
             self._append(item, seq, out.token_ids[r], out.logprobs[r], out.top_logprobs[r])
-        self.metrics.llm.tokens.labels(model=self.model).inc(len(rows))
+        self._tokens.inc(len(rows))
 
     def _append(self, item: WorkItem, seq: Sequence, token: int, logprob, top) -> None:
         """The sampled token joins the sequence; whether it ends it is decided here, its text and delta are made
@@ -356,11 +362,11 @@ class LLMStage(LoopStage):
                 "sequences": len(self.scheduler.running) + len(self.scheduler.waiting)}
 
     def _observe(self) -> None:
-        m, model = self.metrics.llm, self.model
-        m.running.labels(model=model).set(len(self.scheduler.running))
-        m.waiting.labels(model=model).set(len(self.scheduler.waiting))
-        m.blocks.labels(model=model, state="free").set(self.blocks.num_free_blocks - self.blocks.num_cached_blocks)
-        m.blocks.labels(model=model, state="used").set(self.blocks.num_used_blocks)
-        m.blocks.labels(model=model, state="cached").set(self.blocks.num_cached_blocks)
-        m.prefix_hit_tokens.labels(model=model).set(self.blocks.stats.hits)
-        m.preemptions.labels(model=model).set(self.scheduler.num_preemptions)
+        running, waiting, free, used, cached, hits, preemptions = self._gauges
+        running.set(len(self.scheduler.running))
+        waiting.set(len(self.scheduler.waiting))
+        free.set(self.blocks.num_free_blocks - self.blocks.num_cached_blocks)
+        used.set(self.blocks.num_used_blocks)
+        cached.set(self.blocks.num_cached_blocks)
+        hits.set(self.blocks.stats.hits)
+        preemptions.set(self.scheduler.num_preemptions)
