@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from stages.llm import attention
-from stages.llm.direct import DirectDecoder, Rotary
+from stages.llm.direct import DirectDecoder, Rotary, bare, short_mlp, short_norm
 
 SERVED = {
     "llama": (LlamaForCausalLM, LlamaConfig, {}),
@@ -65,10 +65,12 @@ def test_the_direct_decoder_equals_transformers_bit_for_bit(arch, dtype):
     decoder = model.model
     assert DirectDecoder.serves(decoder)
     direct = DirectDecoder(decoder)
-    # the short forms are the ones compared: the rotation in 4 ops a tensor, torch's rms_norm for float32's norms
-    assert direct.rotary.exact
-    norms = (decoder.layers[0].input_layernorm, decoder.layers[0].post_attention_layernorm)
-    assert all((ours is not theirs) == (dtype == torch.float32) for ours, theirs in zip(direct.norms[0], norms))
+    # the short forms are the ones compared: the rotation in 4 ops a tensor, the MLP and the linear layers without
+    # their module calls, torch's rms_norm for float32's norms
+    layer = decoder.layers[0]
+    assert direct.rotary.exact and short_mlp(layer.mlp) and bare(layer.self_attn.q_proj)
+    row = torch.zeros(1, model.config.hidden_size, dtype=dtype)
+    assert short_norm(layer.input_layernorm, row) == (dtype == torch.float32)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = (16, BLOCK, config.num_key_value_heads, head_dim)
@@ -107,13 +109,32 @@ def test_a_model_with_another_rotation_keeps_its_own():
 
 
 @torch.inference_mode()
-def test_a_norm_patched_after_the_decoder_is_built_is_called():
-    """use_fused_norms (stages/kernels/patch.py) patches the norms' forward once the runner exists: the patched
-    forward is what runs."""
+def test_a_hooked_or_patched_module_is_still_called():
+    """A layer with a forward hook (how LoRA rows and offloading attach), a forward patched onto it after the
+    decoder is built (use_fused_norms' Triton norms) or a global hook runs as a module call: what it adds is in the
+    result."""
     model = tiny(*SERVED["llama"])
-    direct = DirectDecoder(model.model)
-    norm = model.model.layers[0].input_layernorm
-    x = torch.randn(3, model.config.hidden_size)
-    assert torch.equal(direct.norms[0][0](x), norm(x))
-    norm.forward = lambda hidden: torch.zeros_like(hidden)
-    assert torch.equal(direct.norms[0][0](x), torch.zeros_like(x))
+    decoder = model.model
+    direct = DirectDecoder(decoder)
+    shape = (16, BLOCK, model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads)
+    ids, positions = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 1, 2, 0, 1])
+
+    def run() -> torch.Tensor:
+        caches = tuple([torch.zeros(shape) for _ in range(2)] for _ in range(2))
+        return direct(ids, positions, metadata(caches, [3, 2], [0, 0]))
+
+    plain = run()
+    layer = decoder.layers[0]
+    handle = layer.self_attn.o_proj.register_forward_hook(lambda module, args, out: out + 1)
+    assert not bare(layer.self_attn.o_proj) and not torch.equal(run(), plain)
+    handle.remove()
+    for module in (layer.mlp, layer.input_layernorm):
+        module.forward = lambda x: torch.zeros_like(x)
+        assert not bare(module) and not torch.equal(run(), plain)
+        del module.forward
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: out)
+    try:
+        assert not bare(layer.self_attn.q_proj)
+    finally:
+        handle.remove()
+    assert torch.equal(run(), plain)
