@@ -5,8 +5,9 @@ layer's and attention module's keyword plumbing, the attention-interface lookup 
 transposes in and out of it, and per forward the causal-mask builder and the output records. On a CPU, for a
 small model, that is a measurable share of a decode step (the demo Llama, 16 rows: 1.3 ms of 7.3, measured against
 the same layers written out). This forward calls the same modules (embeddings, norms, projections, rotary
-embedding, MLP: so LoRA and quantized layers work unchanged) and transformers' own `apply_rotary_pos_emb`, in the
-same order on the same values, so its hidden states equal the decoder's bit for bit (tests/test_llm_direct.py).
+embedding, MLP: so LoRA and quantized layers work unchanged) and rotates as the model's `apply_rotary_pos_emb` does
+(`Rotary`), in the same order on the same values, so its hidden states equal the decoder's bit for bit
+(tests/test_llm_direct.py).
 Where a module is exactly the class it claims and bare (no hooks, no patched forward), the op its forward is runs
 without the module call (linear layers, the MLP, torch's rms_norm for the norms): the same ops, less Python
 (-2.4 % a round of 16 requests, alternated in one engine).

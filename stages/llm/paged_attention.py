@@ -204,8 +204,12 @@ def _layout(query_rows: int, block_size: int, starts: torch.Tensor, q_lens: torc
     visible[:, :, 0] |= ~visible.any(-1)  # a row that sees nothing (padding) attends to key 0; zeroed below
     seen = valid_q & (context_lens > 0)[:, None]
     whole = seqs is None and q_max * len(context_lens) == query_rows and bool(seen.all())
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, float("-inf"))
-    return BatchedLayout(blocks, n, rows, visible[:, None], seen, whole, bias[:, None])
+    return BatchedLayout(blocks, n, rows, visible[:, None], seen, whole, additive(visible)[:, None])
+
+
+def additive(visible: torch.Tensor) -> torch.Tensor:
+    """A bool mask as SDPA's additive float32 one: 0 where visible, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def _decode_layout(block_size: int, context_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -222,9 +226,9 @@ def _decode_layout(block_size: int, context_lens: torch.Tensor, block_tables: to
         visible &= key_pos > lens - 1 - sliding_window
     seen = lens > 0  # a padding row (context 0) sees nothing: it attends to key 0 and comes out as zeros
     visible[:, 0] |= ~seen[:, 0]
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, float("-inf"))
     rows = torch.arange(context_lens.shape[0], device=device)[:, None]
-    return BatchedLayout(blocks, n, rows, visible[:, None, None], seen, bool(seen.all()), bias[:, None, None])
+    return BatchedLayout(blocks, n, rows, visible[:, None, None], seen, bool(seen.all()),
+                         additive(visible)[:, None, None])
 
 
 def paged_attention_batched(
