@@ -95,6 +95,11 @@ class Generate:
         self.process.start()
         self.vocab_size = self._conn.recv()
 
+    def warm(self, prompts: list[list[int]]) -> None:
+        """Both baselines once at the run's shapes: the batch of prompts, and one of them alone; 4 new tokens."""
+        self.run(prompts, 4, batched=True)
+        self.run(prompts[:1], 4, batched=False)
+
     def run(self, prompts: list[list[int]], output: int, batched: bool) -> None:
         self._conn.send((prompts, output, batched))
         self._conn.recv()
@@ -133,8 +138,7 @@ def throughput(checkpoint: str, ref: Generate, args) -> dict[str, float]:
         warm = fresh(-1)  # every side once at the run's shapes (a batch of n prompts), 4 new tokens
         for handle in [_submit(engine, p, 4) for p in warm]:
             handle.result()
-        ref.run(warm, 4, batched=True)
-        ref.run(warm[:1], 4, batched=False)
+        ref.warm(warm)
 
         def ours(r):
             outs = [h.result(timeout=3600) for h in [_submit(engine, p, args.output) for p in fresh(r)]]
@@ -174,9 +178,9 @@ def server(checkpoint: str, ref: Generate, args) -> dict[str, float]:
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(base, proc)
-        asyncio.run(_completions(base, fresh(-1), 4))  # warm: every side once at the run's shapes
-        ref.run(fresh(-1), 4, batched=True)
-        ref.run(fresh(-1)[:1], 4, batched=False)
+        warm = fresh(-1)  # every side once at the run's shapes
+        asyncio.run(_completions(base, warm, 4))
+        ref.warm(warm)
 
         def ours(r):
             assert asyncio.run(_completions(base, fresh(r), args.server_output)) == n * args.server_output

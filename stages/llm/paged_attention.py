@@ -160,8 +160,9 @@ class BatchedLayout:
     rows: torch.Tensor  # [B, q_max] packed query row of each padded query position
     mask: torch.Tensor  # [B, 1, q_max, n * block_size] bool: the key is visible to the query
     seen: torch.Tensor  # [B, q_max] bool: a real query row with a context (the rest come out as zeros)
-    whole: bool = False  # it covers every packed row, in order, with no padding (a decode step): no scatter
-    bias: torch.Tensor | None = None  # the mask as SDPA's additive float32 form (0 / -inf), made once for every layer
+    whole: bool  # it covers every packed row, in order, with no padding (a decode step): no scatter
+    bias: torch.Tensor  # the mask as SDPA's additive float32 form (0 / -inf), made once for every layer: SDPA would
+    # convert a bool mask in every call
 
 
 def batched_layouts(query_rows: int, block_size: int, *, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
@@ -286,15 +287,15 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, l
         width = layout.num_blocks * k_cache.shape[1]
         k, v = dense[0][:, :, :width].float(), dense[1][:, :, :width].float()
     rows = query.view(*layout.rows.shape, *query.shape[1:]) if layout.whole else query[layout.rows]  # [B, q_max, ...]
-    mask = layout.mask if layout.bias is None else layout.bias  # the same mask; SDPA would convert a bool one per call
     if soft_cap is None and rows.shape[1] == 1:  # decode rows: each kv head's query heads are its rows
         batch, _, heads, dim = rows.shape  # [B, 1, Hq, D] -> [B, Hkv, Hq / Hkv, D]: every key is read once, where
         q = rows.reshape(batch, num_kv_heads, heads // num_kv_heads, dim).float()  # GQA would read it per head
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.bias, scale=scale)
         return out.reshape(batch, 1, heads, dim)  # (-25 % a decode layer's attention on a CPU, measured)
     q = rows.transpose(1, 2).float()  # [B, Hq, q_max, D]
     if soft_cap is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.bias, scale=scale,
+                                                               enable_gqa=True)
     else:
         groups = q.shape[1] // num_kv_heads
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)

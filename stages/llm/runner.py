@@ -109,6 +109,7 @@ class ModelRunner:
         # the step's metadata from host lists, one tensor each (no per-sequence tensors, no reads back)
         lengths = [len(c.token_ids) for c in chunks]
         ends = list(itertools.accumulate(lengths))
+        longest = max(lengths)
         context_lens = [c.context_len for c in chunks]
         width = max(len(c.block_ids) for c in chunks)
         slots = [s for c in chunks for s in c.slots]
@@ -122,7 +123,7 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
             block_tables=torch.tensor([(*c.block_ids, *(0,) * (width - len(c.block_ids))) for c in chunks],
                                       dtype=torch.long, device=dev),
-            all_decode=max(lengths) == 1, max_query_len=max(lengths), max_context_len=max(context_lens))
+            all_decode=longest == 1, max_query_len=longest, max_context_len=max(context_lens))
         if self.mirror is not None and meta.all_decode and self.mirror.begin(
                 tuple(c.seq.seq_id for c in chunks), context_lens, self.kv.block_size,
                 (self.kv.num_kv_heads, self.kv.head_dim), self.dtype, dev):

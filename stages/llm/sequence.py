@@ -28,14 +28,13 @@ class Tokens(abc.Sequence):
         return len(self.prompt) + len(self.output)
 
     def __getitem__(self, part):  # an int -> its token; a slice -> a list
+        cut = len(self.prompt)
         if not isinstance(part, slice):
             index = part + len(self) if part < 0 else part
-            cut = len(self.prompt)
             return self.prompt[index] if index < cut else self.output[index - cut]
         start, stop, step = part.indices(len(self))
         if step != 1:
             raise ValueError("Tokens are sliced with step 1")
-        cut = len(self.prompt)
         if start >= cut:
             return self.output[start - cut:stop - cut]
         if stop <= cut:
