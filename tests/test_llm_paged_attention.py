@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.llm.paged_attention import (
+    additive,
     batched_layouts,
     decode_attention,
     paged_attention_batched,
@@ -150,6 +151,39 @@ def test_a_mixed_step_keeps_decodes_apart_from_prefill_chunks():
     decode_only = batched_layouts(3, 4, query_start_loc=torch.arange(4), context_lens=torch.tensor([1, 9, 33]),
                                   block_tables=layout.block_tables[:3], max_query_len=1)
     assert len(decode_only) == 1 and decode_only[0].whole
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa4/2", "mha4"])
+def test_whole_prompts_attend_by_is_causal_bit_for_bit(heads):
+    """Chunks that all start at position 0 (whole prompts, unequal lengths, tables padded with -1) take SDPA's
+    is_causal, with no additive mask built: the same bits as the masked form, and dense attention's values (a soft
+    cap's too); beside decode
+    rows (a mixed step) the prompts' group is causal and the decodes' is not; a chunk after cached context, or a
+    sliding window, keeps the mask."""
+    num_heads, num_kv_heads = heads
+    ctx = [13, 5, 16, 2]
+    layout = make_layout(ctx, 4, num_kv_heads, 16, seed=11, pad=-1)
+    query = torch.randn(sum(ctx), num_heads, 16, generator=torch.Generator().manual_seed(12))
+    args = dict(query_start_loc=torch.tensor([0, *ctx]).cumsum(0), context_lens=layout.context_lens,
+                block_tables=layout.block_tables)
+    (causal,) = batched_layouts(query.shape[0], 4, **args)
+    assert causal.causal and causal.bias is None
+    masked = dataclasses.replace(causal, causal=False, bias=additive(causal.mask[:, 0])[:, None])
+    got = paged_attention_batched(query, layout.k_cache, layout.v_cache, scale=0.25, layouts=(causal,), **args)
+    want = paged_attention_batched(query, layout.k_cache, layout.v_cache, scale=0.25, layouts=(masked,), **args)
+    assert torch.equal(got, want)
+    for cap in (None, 3.0):  # a soft cap (Gemma 2) spells the masked math out over the same layout
+        check_reference(layout, ctx, num_heads, seed=11, attention=paged_attention_batched, soft_cap=cap)
+
+    q_lens = [13, 1, 16, 1]  # two prompts and two decodes
+    mixed = batched_layouts(sum(q_lens), 4, query_start_loc=torch.tensor([0, *q_lens]).cumsum(0),
+                            context_lens=layout.context_lens, block_tables=layout.block_tables)
+    assert [(g.rows.shape[1], g.causal) for g in mixed] == [(1, False), (16, True)]
+    for lens, window in (([13, 3, 16, 2], None), (ctx, 5)):  # a chunk after 2 cached tokens; a window
+        (general,) = batched_layouts(sum(lens), 4, query_start_loc=torch.tensor([0, *lens]).cumsum(0),
+                                     context_lens=layout.context_lens, block_tables=layout.block_tables,
+                                     sliding_window=window)
+        assert not general.causal and general.bias is not None
 
 
 @pytest.mark.parametrize("window", [None, 5, 1])

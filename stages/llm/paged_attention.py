@@ -161,8 +161,13 @@ class BatchedLayout:
     mask: torch.Tensor  # [B, 1, q_max, n * block_size] bool: the key is visible to the query
     seen: torch.Tensor  # [B, q_max] bool: a real query row with a context (the rest come out as zeros)
     whole: bool  # it covers every packed row, in order, with no padding (a decode step): no scatter
-    bias: torch.Tensor  # the mask as SDPA's additive float32 form (0 / -inf), made once for every layer: SDPA would
-    # convert a bool mask in every call
+    # the mask as SDPA's additive float32 form (0 / -inf), made once for every layer: SDPA would convert a bool mask
+    # in every call. None where the mask is plain causal (`causal`): SDPA's is_causal then needs none
+    bias: torch.Tensor | None
+    # every sequence's chunk starts at position 0 (a whole prompt, nothing cached), no window: padded query row j
+    # sees keys 0..j, SDPA's is_causal (top-left aligned), whose kernel skips the blocks above the diagonal; the
+    # same result bit for bit (tests/test_llm_paged_attention.py), ~2x faster at 2,048 tokens on a CPU
+    causal: bool = False
 
 
 def batched_layouts(query_rows: int, block_size: int, *, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
@@ -205,7 +210,10 @@ def _layout(query_rows: int, block_size: int, starts: torch.Tensor, q_lens: torc
     visible[:, :, 0] |= ~visible.any(-1)  # a row that sees nothing (padding) attends to key 0; zeroed below
     seen = valid_q & (context_lens > 0)[:, None]
     whole = seqs is None and q_max * len(context_lens) == query_rows and bool(seen.all())
-    return BatchedLayout(blocks, n, rows, visible[:, None], seen, whole, additive(visible)[:, None])
+    # (q_max > 1: a decode row's query heads stand in its query positions in _attend, so is_causal cannot serve it)
+    causal = sliding_window is None and q_max > 1 and bool((q_lens == context_lens).all())
+    return BatchedLayout(blocks, n, rows, visible[:, None], seen, whole, None if causal else additive(visible)[:, None],
+                         causal)
 
 
 def additive(visible: torch.Tensor) -> torch.Tensor:
@@ -294,8 +302,10 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, l
         return out.reshape(batch, 1, heads, dim)  # (-25 % a decode layer's attention on a CPU, measured)
     q = rows.transpose(1, 2).float()  # [B, Hq, q_max, D]
     if soft_cap is None:
+        if layout.causal:  # no chunk reads past its own rows: as many keys as queries, every backend's square case
+            k, v = k[:, :, :q.shape[2]], v[:, :, :q.shape[2]]
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.bias, scale=scale,
-                                                               enable_gqa=True)
+                                                               is_causal=layout.causal, enable_gqa=True)
     else:
         groups = q.shape[1] // num_kv_heads
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
