@@ -157,9 +157,8 @@ def test_a_mixed_step_keeps_decodes_apart_from_prefill_chunks():
 def test_whole_prompts_attend_by_is_causal_bit_for_bit(heads):
     """Chunks that all start at position 0 (whole prompts, unequal lengths, tables padded with -1) take SDPA's
     is_causal, with no additive mask built: the same bits as the masked form, and dense attention's values (a soft
-    cap's too); beside decode
-    rows (a mixed step) the prompts' group is causal and the decodes' is not; a chunk after cached context, or a
-    sliding window, keeps the mask."""
+    cap's too); beside decode rows (a mixed step) the prompts' group is causal and the decodes' is not; a chunk
+    after cached context, or a sliding window, keeps the mask."""
     num_heads, num_kv_heads = heads
     ctx = [13, 5, 16, 2]
     layout = make_layout(ctx, 4, num_kv_heads, 16, seed=11, pad=-1)
