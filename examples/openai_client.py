@@ -87,12 +87,15 @@ async def voice_turn(base_url: str, api_key: str) -> str:
         await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                   "content": [{"type": "input_text", "text": "Hello!"}]})
         await conn.response.create()
-        audio = 0
+        audio, transcript = 0, ""
         async for event in conn:
             if event.type == "response.output_audio.delta":
                 audio += len(base64.b64decode(event.delta))
+            elif event.type == "response.output_audio_transcript.delta":
+                transcript += event.delta
             elif event.type == "response.done":
-                return f"{event.response.status}, {audio // 2 / 24000:.2f} s of 24 kHz pcm16 audio"
+                return f"{event.response.status}, {audio // 2 / 24000:.2f} s of 24 kHz pcm16 audio, " \
+                    f"transcript {transcript!r}"
         return "the session ended early"
 
 

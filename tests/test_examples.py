@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import signal
@@ -42,8 +43,12 @@ def test_make_serve_answers_the_openai_client(tmp_path):
         assert "video job: completed" in run.stdout, run.stdout
         for line in ("chat:", "image chat:", "embeddings:", "speech:", "transcription:"):
             assert line in run.stdout, run.stdout
-        voice = re.search(r"voice: (\w+), ([0-9.]+) s of 24 kHz pcm16 audio", run.stdout)  # a realtime voice turn
-        assert voice and voice[1] in ("completed", "incomplete") and float(voice[2]) > 0, run.stdout
+        # a realtime voice turn: the random-weight demo LLM samples its reply (temperature 0.8), which is now and then
+        # only characters vits-demo's vocabulary does not hold (control bytes, accents) or nothing: then no sound
+        voice = re.search(r"voice: (\w+), ([0-9.]+) s of 24 kHz pcm16 audio, transcript (.*)", run.stdout)
+        assert voice and voice[1] in ("completed", "incomplete"), run.stdout
+        speakable = re.search(r"[A-Za-z0-9]", ast.literal_eval(voice[3]))
+        assert float(voice[2]) > 0 or not speakable, run.stdout
         video = subprocess.run([sys.executable, "examples/realtime_video_client.py", "--url",
                                 f"ws://127.0.0.1:{port}/v1/realtime/video", "--frames", "4"],
                                cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
