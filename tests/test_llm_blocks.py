@@ -223,6 +223,28 @@ def test_append_and_can_append_count_the_copy():
     assert parent.num_tokens == 5 and len(parent.block_ids) == 2  # a refused append changes nothing
 
 
+def test_append_slot_is_append_where_it_answers():
+    """The scheduler's decode path: one slot in a last block of the table's own, else None and nothing changed
+    (a full last block needs a new one; a shared tail a copy; an assigned position no append)."""
+    bm = BlockManager(8, 4)
+    tokens = [1, 2, 3, 4, 5]
+    table, twin = alloc(bm, tokens, computed=True), alloc(bm, tokens, computed=True)
+    assert bm.append_slot(table, 4) is None  # position 4 has its slot already (allocate assigned the prompt's)
+    slot = bm.append_slot(table, 5)
+    assert bm.append(twin, tokens + [6], 1) == [] and table.num_tokens == twin.num_tokens == 6  # what append does
+    assert [slot] == bm.slot_mapping(table, 5, 6) == [table.block_ids[1] * 4 + 1]
+    before = (list(table.block_ids), table.num_tokens)
+    for position in (6, 7):
+        assert bm.append_slot(table, position) == table.block_ids[1] * 4 + position % 4
+    assert bm.append_slot(table, 8) is None and (table.num_tokens, len(table.block_ids)) == (8, 2)  # block full
+    assert before[0] == table.block_ids
+    child = BlockTable()
+    bm.fork(twin, child)
+    assert bm.append_slot(child, 6) is None and child.num_tokens == 6  # the tail is shared: append copies it
+    assert bm.append(child, tokens + [6, 7], 1) != []
+    bm.check_invariants()
+
+
 # -- LRU eviction ------------------------------------------------------------------------------
 def test_lru_evicts_least_recently_freed_first():
     bm = BlockManager(6, 4)

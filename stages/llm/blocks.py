@@ -186,6 +186,16 @@ class BlockManager:
         table.block_ids += [self._take_block() for _ in range(missing)]
         return copies
 
+    def append_slot(self, table: BlockTable, position: int) -> int | None:
+        """`append` of one slot for `position` where that is all it does (most steps of a decoding sequence): the
+        table's next position, inside its last block, which it holds alone. Returns the position's slot, or None
+        where `append` must decide (a new block, a copy-on-write, a slot assigned already)."""
+        size = self.block_size
+        if position != table.num_tokens or not position % size or self._refcount[table.block_ids[-1]] > 1:
+            return None
+        table.num_tokens += 1
+        return table.block_ids[-1] * size + position % size
+
     def fork(self, parent: BlockTable, child: BlockTable) -> None:
         """n > 1: the child shares every parent block (refcount + 1).
 

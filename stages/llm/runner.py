@@ -17,7 +17,7 @@ from stages.cuda_graph_metrics import GraphObserver
 from stages.cuda_graphs import GraphConfig, GraphRunner
 from stages.llm import attention
 from stages.llm.decode_mirror import DecodeMirror
-from stages.llm.direct import DirectDecoder
+from stages.llm.direct import DirectDecoder, linear
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
 from stages.lora import AdapterGate, LoraSlots, rows_use, slots_use
@@ -76,7 +76,11 @@ class ModelRunner:
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.kv.num_layers)]
         self.max_context = getattr(config, "max_position_embeddings", None) or 2048
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        head = self.model.get_output_embeddings()
+        self.vocab_size = head.weight.shape[0]
+        # where the head sits, read by name each step (an adapter may wrap it later): the method is a walk
+        self._head_name = next((name for name, module in self.model.named_children() if module is head), None)
+        self.soft_cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2's, read once
         self.hidden_size = config.hidden_size
         self.decode_graphs = None
         # CPU decode steps of the same sequences keep their keys and values laid out (stages/llm/decode_mirror.py)
@@ -154,12 +158,17 @@ class ModelRunner:
                 del c.seq.hidden[c.start:]
                 c.seq.hidden.extend(hidden[row:row + len(c.token_ids)].float().cpu().unbind(0))
             row += len(c.token_ids)
-        last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.sample], dtype=torch.long, device=dev)
-        logits = self.model.get_output_embeddings()(hidden[last]).float()
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        last = [end - 1 for end, c in zip(ends, chunks) if c.sample]
+        if len(last) < hidden.shape[0]:  # (in a decode step every row samples: the rows are the hidden states)
+            hidden = hidden[torch.tensor(last, dtype=torch.long, device=dev)]
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over hidden states [rows, H]: float32 logits [rows, V], soft-capped where the model does."""
+        head = getattr(self.model, self._head_name) if self._head_name else self.model.get_output_embeddings()
+        logits = linear(head, hidden).float()
+        cap = self.soft_cap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     # -- decode through the graph runner ------------------------------------------------------
     def _decode_inputs(self, chunks) -> dict[str, torch.Tensor]:
@@ -196,9 +205,7 @@ class ModelRunner:
         with slotted:
             hidden = self.decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                   paged=meta).last_hidden_state[0]  # [rows, H]
-        logits = self.model.get_output_embeddings()(hidden).float()
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return self._logits(hidden)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

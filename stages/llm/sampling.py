@@ -253,7 +253,7 @@ def sample(
     if not len(params) == len(prompt_ids) == len(output_ids) == len(generators) == batch:
         raise ValueError(f"params, prompt_ids, output_ids and generators must each have {batch} rows")
     raw = logits.float()  # [B, V]
-    if all(_plain_greedy(p) for p in params) and bool(torch.isfinite(raw).all()):
+    if all(_plain_greedy(p) for p in params) and math.isfinite(raw.sum().item()):  # a NaN or an inf spoils the sum
         # the common decode step: every row greedy with nothing to apply but its grammar, no bad logit: one argmax
         # (4.) over the masked logits (a grammar always leaves a token: at the least its end)
         z = raw

@@ -115,6 +115,14 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0 or seq.status is not SeqStatus.RUNNING:
                 continue
+            if seq.num_uncomputed == 1:  # a decode whose slot fits its last block: the Chunk at once (the hot path)
+                position = seq.num_computed_tokens
+                slot = self.blocks.append_slot(seq.block_table, position)
+                if slot is not None:
+                    chunks.append(Chunk(seq, position, (seq.tokens[position],), (slot,),
+                                        tuple(seq.block_table.block_ids), sample=True))
+                    budget -= 1
+                    continue
             n = self._chunk_len(seq, budget)
             while not self.blocks.can_append(seq.block_table, self._new_slots(seq, n)):
                 victim = self.running[-1]
