@@ -58,7 +58,7 @@ def _submit(engine, ids, max_tokens):
     from stages.llm.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return engine.submit_chat("bench", ChatRequest(prompt=list(ids), params=params))
+    return engine.submit_chat("bench", ChatRequest(prompt=list(ids), params=params, stream=False))  # result only
 
 
 def _generate_child(checkpoint: str, conn) -> None:

@@ -41,6 +41,7 @@ class ChatRequest:
     # LoRA adapters of the model (`[[models.loras]]`, or the model id "base:adapter") and their weights
     lora: tuple[tuple[str, float | None], ...] = ()
     tools: Any = None  # pipelines.tools.Tools: the functions the model may call (chat only); None: no tools
+    stream: bool = True  # the caller reads the text deltas as they come; False: only the result (GenerationRequest)
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,17 @@ class LLMConfig:
     max_num_batched_tokens: int = 2048  # tokens in one forward (chunked prefill + decodes)
     max_prefill_chunk: int | None = None  # cap on one sequence's prefill chunk
     publish_thread: bool | None = None  # deltas published by a thread beside the forward; None: on a GPU only
+    # tokens a streamed delta carries at most (vLLM's and SGLang's --stream-interval): the first token goes at once,
+    # the rest in deltas of this many; fewer deltas cost the step less (detokenizing, events)
+    stream_interval: int = 1
 
     def __post_init__(self):
         if self.kv_cache_mb <= 0 or self.block_size < 1:
             raise ValueError("llm.kv_cache_mb must be > 0 and llm.block_size >= 1")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_chunk)  # validates
+        if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) or \
+                self.stream_interval < 1:
+            raise ValueError(f"llm.stream_interval must be an integer >= 1, got {self.stream_interval!r}")
 
 
 class LanguageModel:
@@ -148,7 +155,7 @@ class LanguageModel:
             eos.append(self.tokenizer.eos_token_id)
         scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_chunk)
         return LLMStage(self.name, self.runner, self.tokenizer, scheduler, metrics, tuple(set(eos)),
-                        publish_thread=config.publish_thread)
+                        publish_thread=config.publish_thread, stream_interval=config.stream_interval)
 
     def check_params(self, request: ChatRequest) -> None:
         """The sampling parameters against this model (token ids and top_k within its vocabulary; a
@@ -188,7 +195,8 @@ class LanguageModel:
         lora = self.loras.resolve(request.lora)
         return GenerationRequest(prompts[0], request.params,
                                  (self.weights_id, self.loras.identity(lora) or None, request.tenant),
-                                 more_prompts=tuple(prompts[1:]), keep_hidden=request.speech is not None, lora=lora)
+                                 more_prompts=tuple(prompts[1:]), keep_hidden=request.speech is not None, lora=lora,
+                                 stream=request.stream)
 
     def _checked_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
         if not ids:

@@ -192,7 +192,7 @@ class VLMChatModel(LanguageModel):
         by_node = {kind: tuple(t for t in tasks if (t.geometry.kind == "audio") == (kind == "audio_encode"))
                    for kind in self.encode_stages}
         return GenerationRequest(tuple(prompt), request.params, namespace, tuple(spans), mrope,
-                                 keep_hidden=request.speech is not None), \
+                                 keep_hidden=request.speech is not None, stream=request.stream), \
             {kind: found for kind, found in by_node.items() if found}
 
     def _render(self, parsed: ParsedChat, media: list[list[MediaItem]]) -> list[int]:

@@ -305,3 +305,23 @@ def test_random_ids_even_invalid_utf8_stream_to_decode(bpe):
         for skip in (True, False):
             deltas, tail = stream(bpe, ids, skip_special_tokens=skip)
             assert "".join(deltas) + tail == decode(bpe, ids, skip)
+
+
+@pytest.mark.parametrize("name", ["bpe", "llama"])
+def test_tokens_pushed_in_groups_give_the_text_of_one_by_one(request, name):
+    """A coalesced delta's tokens (LLMConfig.stream_interval) go in together: the joined text is the same, a group
+    never ends in half a character, and a stop string cuts where it does token by token."""
+    tok = request.getfixturevalue(name)
+    rng = random.Random(11)
+    for _ in range(100):
+        ids = tok.encode(random_text(rng, rng.randint(1, 30)), add_special_tokens=False)
+        cuts = sorted(rng.sample(range(1, len(ids)), min(len(ids) - 1, rng.randint(0, 4)))) if len(ids) > 1 else []
+        groups = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+        detok = IncrementalDetokenizer(tok, [])
+        deltas = [detok.push_ids(group) for group in groups]
+        assert "".join(deltas) + detok.flush() == decode(tok, ids) and all(REPLACEMENT not in d for d in deltas)
+        stops = [random_text(rng, rng.randint(1, 3))]
+        one, grouped = OutputText(tok, [], stops), OutputText(tok, [], stops)
+        want = "".join(one.push(i).text for i in ids) + one.finish().text
+        got = "".join(grouped.push_ids(group).text for group in groups) + grouped.finish().text
+        assert (got, grouped.stopped) == (want, one.stopped)

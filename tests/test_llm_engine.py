@@ -105,6 +105,39 @@ def test_a_publisher_thread_streams_the_same_deltas(checkpoint, reference):
         eng.shutdown()
 
 
+def test_stream_interval_coalesces_the_deltas_and_nothing_else(checkpoint, reference):
+    """stream_interval 4: the first token's delta at once, then deltas of at most 4 tokens, the last at the end;
+    their text joined is the output's, the tokens are generate()'s, a stop string still cuts where it does. A
+    request whose caller reads only the result (stream=False) has two deltas, the first token's and the rest."""
+    eng = _engine(checkpoint, kv_cache_mb=8, block_size=4, stream_interval=4)
+    try:
+        prompts = [_prompt(reference[1], i) for i in range(3)]
+        handles = [_run(eng, p, max_tokens=24, **GREEDY) for p in prompts]
+        stopped = _run(eng, prompts[0], max_tokens=24, stop=["item"], **GREEDY)
+        for p, handle in zip(prompts, handles):
+            events = list(handle.events(timeout=120))
+            final = events[-1].data["outputs"]["choices"][0]
+            assert final["token_ids"] == _generate(reference, p, 24)
+            deltas = [e.data for e in events if e.kind is EventKind.DELTA]
+            assert len(deltas) == 1 + -(-23 // 4) and deltas[-1]["finish_reason"] == "length"  # 1, 4 x 5, 3
+            assert "".join(d["text"] for d in deltas) == final["text"]
+        text = stopped.result(timeout=120)["choices"][0]["text"]
+        whole = reference[1].decode(_generate(reference, prompts[0], 24), skip_special_tokens=True)
+        assert "item" not in text and whole.startswith(text)
+        # a caller that reads only the result: the first token's delta, then one at the end
+        quiet = eng.submit_chat("m", ChatRequest(prompt=prompts[1], params=SamplingParams(max_tokens=24, **GREEDY),
+                                                 stream=False))
+        events = list(quiet.events(timeout=120))
+        final = events[-1].data["outputs"]["choices"][0]
+        deltas = [e.data["text"] for e in events if e.kind is EventKind.DELTA]
+        assert len(deltas) == 2 and "".join(deltas) == final["text"] == reference[1].decode(
+            _generate(reference, prompts[1], 24), skip_special_tokens=True)
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="stream_interval"):
+        LLMConfig(stream_interval=0)
+
+
 def test_preemption_by_recompute_keeps_outputs_exact(checkpoint, reference):
     model, tok = reference
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"request {k} " * 3}], add_generation_prompt=True,

@@ -54,7 +54,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         **({"audio_id": audio["id"], "expires_at": audio["expires_at"]} if spoken_stream else {}))
     # Image and video parts are fetched and decoded (media workers) before the request is admitted.
     handle = await engine.asubmit_chat(model, ChatRequest(messages=body.messages, params=params, tenant=tenant,
-                                                          speech=speech, lora=body.lora_entries(adapter), tools=tools),
+                                                          speech=speech, lora=body.lora_entries(adapter), tools=tools,
+                                                          stream=body.stream or speech is not None),
                                        request_id=reply.id)
     if speech is None or body.stream:
         return await respond(request, handle, reply, stream=body.stream)
@@ -78,7 +79,8 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: s
     reply = CompletionReply(f"cmpl-{uuid.uuid4().hex}", body.model or model, engine.chat_model(model).token_texts(),
                             params, include_usage=body.include_usage)
     handle = engine.submit_chat(model, ChatRequest(**prompt, params=params, tenant=tenant,
-                                                   lora=body.lora_entries(adapter)), request_id=reply.id)
+                                                   lora=body.lora_entries(adapter), stream=body.stream),
+                                request_id=reply.id)
     return await respond(request, handle, reply, stream=body.stream)
 
 

@@ -11,8 +11,8 @@ Two stages, applied in this order (seed 002 §3, "apply stop strings to detokeni
 2. `StopStringMatcher` holds back the longest tail that could still grow into a stop string
    and cuts the text before the earliest stop string (excluded from the output, as OpenAI does).
 
-`OutputText` chains both for the engine: `push(token_id)` per sampled token, `finish()` when
-the request ends for any reason other than a stop string.
+`OutputText` chains both for the engine: `push(token_id)` per sampled token (or `push_ids` for the
+tokens of one streamed delta), `finish()` when the request ends for any reason other than a stop string.
 
 Contract (tested): the concatenation of every delta, flush included, equals
 `tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`,
@@ -76,10 +76,16 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one sampled id; return the new text that is final, possibly "" (held back)."""
-        token_id = operator.index(token_id)
-        if token_id < 0:
-            raise ValueError(f"token_id must be >= 0 (a vocabulary index), got {token_id}")
-        self._ids.append(token_id)
+        return self.push_ids((token_id,))
+
+    def push_ids(self, token_ids: Sequence[int]) -> str:
+        """Add sampled ids, in order (the tokens of one streamed delta): the same text as pushing them one by one,
+        joined, from two decodes however many they are."""
+        for token_id in token_ids:
+            token_id = operator.index(token_id)
+            if token_id < 0:
+                raise ValueError(f"token_id must be >= 0 (a vocabulary index), got {token_id}")
+            self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         # Hold while the tail is an unfinished character, while nothing new appeared (a
@@ -247,9 +253,13 @@ class OutputText:
 
     def push(self, token_id: int) -> OutputDelta:
         """Add one sampled token; return the text to stream now and whether a stop string matched."""
+        return self.push_ids((token_id,))
+
+    def push_ids(self, token_ids: Sequence[int]) -> OutputDelta:
+        """Add sampled tokens, in order (one streamed delta's): the same text as pushing them one by one, joined."""
         if self.finished:
             return OutputDelta("", self.stopped)
-        text, stopped = self.matcher.push(self.detokenizer.push(token_id))
+        text, stopped = self.matcher.push(self.detokenizer.push_ids(token_ids))
         return self._emit(text, stopped)
 
     def finish(self) -> OutputDelta:

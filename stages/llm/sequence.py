@@ -59,6 +59,8 @@ class Sequence:
     num_preemptions: int = 0
     arrival: float = 0.0  # admission time (FCFS order)
     output: Any = None  # streaming text state (detokenizer + stop matcher), owned by the stage
+    unsent: list[int] = field(default_factory=list)  # sampled tokens whose text no delta has carried yet
+    stream_interval: int = 1  # the tokens one of its deltas carries at most
     logprobs: list = field(default_factory=list)  # per output token, when asked
     media: tuple = ()  # MediaSpans with features: spliced into the prompt's embeddings at every (re)prefill
     mrope: Any = None  # MRoPE positions of the prompt (Qwen2-VL-style models), else None

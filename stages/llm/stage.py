@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +57,9 @@ class GenerationRequest:
     # (Qwen2.5-Omni's talker): the sequence keeps them, and `finish` hands them on as choices[0]["hidden"].
     keep_hidden: bool = False
     lora: tuple = ()  # LoRA adapters and weights ((name, weight), ...) every token of the request runs with
+    # the caller reads the deltas as they come (in deltas of the stage's stream_interval); False: only the result
+    # (the first token's delta at once for its time to first token, the rest in one delta at the end)
+    stream: bool = True
 
     def __post_init__(self):
         if self.more_prompts and (self.media or self.mrope is not None):
@@ -111,8 +115,9 @@ class LLMStage(LoopStage):
     kind = "llm"
 
     def __init__(self, model: str, runner: ModelRunner, tokenizer, scheduler: SchedulerConfig, metrics: Metrics,
-                 eos_token_ids: tuple[int, ...], publish_thread: bool | None = None):
-        """`publish_thread`: publish deltas from a thread of their own (`_Publisher`); None: on a GPU only."""
+                 eos_token_ids: tuple[int, ...], publish_thread: bool | None = None, stream_interval: int = 1):
+        """`publish_thread`: publish deltas from a thread of their own (`_Publisher`); None: on a GPU only.
+        `stream_interval`: the tokens one delta carries at most (LLMConfig.stream_interval)."""
         self.model = model
         self.runner = runner
         self.tokenizer = tokenizer
@@ -131,6 +136,7 @@ class LLMStage(LoopStage):
         self._grammars: Grammars | None = None  # made at the first constrained request
         threaded = runner.device.type == "cuda" if publish_thread is None else publish_thread
         self._publisher = _Publisher(model, threaded)
+        self.stream_interval = stream_interval
 
     @property
     def grammars(self) -> Grammars:
@@ -264,7 +270,7 @@ class LLMStage(LoopStage):
             ended = ended or seq.matcher.is_terminated()  # complete: its end token ends it, whatever ignore_eos says
         seq.output_ids.append(token)
         if ended:  # the end token's text is not part of the output
-            self._publish(item, seq, None, "stop")
+            self._publish(item, seq, "stop")
             return
         entry = None
         if p.logprobs:
@@ -272,23 +278,28 @@ class LLMStage(LoopStage):
             seq.logprobs.append(entry)
         full = (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
             seq.num_tokens >= self.runner.max_context
-        if not p.stop:
-            self._publish(item, seq, token, "length" if full else None, entry)
+        if not p.stop:  # the token waits for its delta unless it is the first, the last, or carries per-token data
+            seq.unsent.append(token)
+            if full or len(seq.unsent) >= seq.stream_interval or len(seq.output_ids) == 1 or entry is not None or \
+                    seq.hidden is not None:
+                self._publish(item, seq, "length" if full else None, entry)
             return
         delta = seq.output.push(token)  # stop strings: the text decides whether it ends, so it is made now
         if delta.stopped:
-            self._publish(item, seq, None, "stop", entry, text=delta.text)
+            self._publish(item, seq, "stop", entry, text=delta.text)
         elif full:
             final = seq.output.finish()  # a held stop string may still settle here
-            self._publish(item, seq, None, "stop" if final.stopped else "length", entry, text=delta.text + final.text)
+            self._publish(item, seq, "stop" if final.stopped else "length", entry, text=delta.text + final.text)
         else:
-            self._publish(item, seq, None, None, entry, text=delta.text)
+            self._publish(item, seq, None, entry, text=delta.text)
 
-    def _publish(self, item: WorkItem, seq: Sequence, token: int | None, finish_reason: str | None, logprobs=None,
+    def _publish(self, item: WorkItem, seq: Sequence, finish_reason: str | None, logprobs=None,
                  text: str | None = None) -> None:
-        """Stream one delta: `token`'s text (or `text` when it was made already) and, when the sequence ends, what
-        the detokenizer still held; `logprobs` is the entry of the token sampled now, if it was asked for. The
-        sequence's end is recorded now; the text is made and the delta emitted by the publisher, in order."""
+        """Stream one delta: the text of the sequence's unsent tokens (or `text` when it was made already) and, when
+        the sequence ends, what the detokenizer still held; `logprobs` is the entry of the token sampled now, if it
+        was asked for. The sequence's end is recorded now; the text is made and the delta emitted by the publisher,
+        in order."""
+        tokens, seq.unsent = seq.unsent, []
         if finish_reason is not None:
             self._finish_seq(seq, finish_reason)
         data: dict[str, Any] = {"index": seq.index, "finish_reason": finish_reason}
@@ -305,7 +316,7 @@ class LLMStage(LoopStage):
         def emit() -> None:
             made = text
             if made is None:
-                made = seq.output.push(token).text if token is not None else ""
+                made = seq.output.push_ids(tokens).text if tokens else ""
                 if finish_reason is not None:
                     made += seq.output.finish().text
             item.emit(EventKind.DELTA, text=made, **data)
@@ -328,7 +339,8 @@ class LLMStage(LoopStage):
         namespace = (*req.namespace, ("keep_hidden", seq_id)) if req.keep_hidden else req.namespace
         seq = Sequence(seq_id=seq_id, index=index, prompt_ids=list(prompt_ids), params=req.params,
                        namespace=namespace, generator=generator, arrival=time.monotonic(), media=req.media,
-                       mrope=req.mrope, hidden=[] if req.keep_hidden else None, lora=req.lora, tenant=tenant)
+                       mrope=req.mrope, hidden=[] if req.keep_hidden else None, lora=req.lora, tenant=tenant,
+                       stream_interval=self.stream_interval if req.stream else sys.maxsize)
         seq.output = OutputText(self.tokenizer, prompt_ids, req.params.stop)
         if req.params.response_format is not None:
             seq.matcher = self.grammars.matcher(req.params.response_format)
