@@ -89,6 +89,7 @@
     [models.llm]                  # causal LMs only: pipelines.chat.LLMConfig
     kv_cache_mb = 256
     block_size = 16
+    stream_interval = 1           # tokens one streamed delta carries at most (the first goes alone)
     [models.vlm]                  # vision- and audio-language models only: pipelines.chat_parts.VLMConfig
     max_images = 8
     max_audio_s = 30              # one audio part's length (the model's encoder window may lower it)
