@@ -18,6 +18,7 @@ Semantics shared by every implementation here (and by the Triton kernel):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +156,7 @@ class BatchedLayout:
     """Where some sequences' rows and contexts sit in a padded [B, q_max] x [B, ctx_max] problem. A step's
     layouts are the same for every layer (one set per sliding window), so they are built once per step."""
 
-    blocks: torch.Tensor  # [B * n] the first n blocks of every table (key positions 0 .. n * block_size - 1)
+    tables: torch.Tensor  # [B, >= n] its sequences' block tables
     num_blocks: int  # n = ceil(ctx_max / block_size); positions past a context read a valid block and are masked
     rows: torch.Tensor  # [B, q_max] packed query row of each padded query position
     mask: torch.Tensor  # [B, 1, q_max, n * block_size] bool: the key is visible to the query
@@ -168,6 +169,13 @@ class BatchedLayout:
     # sees keys 0..j, SDPA's is_causal (top-left aligned), whose kernel skips the blocks above the diagonal; the
     # same result bit for bit (tests/test_llm_paged_attention.py), ~2x faster at 2,048 tokens on a CPU
     causal: bool = False
+
+    @functools.cached_property
+    def blocks(self) -> torch.Tensor:
+        """[B * n] the first n blocks of every table (key positions 0 .. n * block_size - 1): made where keys are
+        gathered (a decode step whose keys are laid out already gathers none). A -1 padding a table reads block 0,
+        masked."""
+        return self.tables[:, :self.num_blocks].long().clamp(min=0).reshape(-1)
 
 
 def batched_layouts(query_rows: int, block_size: int, *, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
@@ -196,7 +204,6 @@ def _layout(query_rows: int, block_size: int, starts: torch.Tensor, q_lens: torc
     q_max, ctx_max = int(q_lens.max()), max(int(context_lens.max()), 1)
     # whole blocks are gathered: position p of sequence b is row p of its first n blocks laid end to end
     n = -(-ctx_max // block_size)
-    blocks = block_tables[:, :n].long().clamp(min=0).reshape(-1)  # (-1 pads a table: a masked read of block 0)
     key_pos = torch.arange(n * block_size, device=device)
     # row j of sequence b is packed row starts[b] + j, at position ctx_b - q_len_b + j
     row = torch.arange(q_max, device=device)
@@ -212,8 +219,8 @@ def _layout(query_rows: int, block_size: int, starts: torch.Tensor, q_lens: torc
     whole = seqs is None and q_max * len(context_lens) == query_rows and bool(seen.all())
     # (q_max > 1: a decode row's query heads stand in its query positions in _attend, so is_causal cannot serve it)
     causal = sliding_window is None and q_max > 1 and bool((q_lens == context_lens).all())
-    return BatchedLayout(blocks, n, rows, visible[:, None], seen, whole, None if causal else additive(visible)[:, None],
-                         causal)
+    return BatchedLayout(block_tables, n, rows, visible[:, None], seen, whole,
+                         None if causal else additive(visible)[:, None], causal)
 
 
 def additive(visible: torch.Tensor) -> torch.Tensor:
@@ -227,17 +234,17 @@ def _decode_layout(block_size: int, context_lens: torch.Tensor, block_tables: to
     context_len - 1: the same layout in half the ops (a decode step builds it on the host every step)."""
     device = context_lens.device
     n = -(-max(int(context_lens.max()) if max_context_len is None else max_context_len, 1) // block_size)
-    blocks = block_tables[:, :n].long().clamp(min=0).reshape(-1)
     key_pos = torch.arange(n * block_size, device=device)
     lens = context_lens[:, None]  # [B, 1]
     visible = key_pos < lens  # [B, n * block_size]: keys 0 .. context_len - 1
     if sliding_window is not None:
         visible &= key_pos > lens - 1 - sliding_window
     seen = lens > 0  # a padding row (context 0) sees nothing: it attends to key 0 and comes out as zeros
-    visible[:, 0] |= ~seen[:, 0]
+    whole = bool(seen.all())
+    if not whole:
+        visible[:, 0] |= ~seen[:, 0]
     rows = torch.arange(context_lens.shape[0], device=device)[:, None]
-    return BatchedLayout(blocks, n, rows, visible[:, None, None], seen, bool(seen.all()),
-                         additive(visible)[:, None, None])
+    return BatchedLayout(block_tables, n, rows, visible[:, None, None], seen, whole, additive(visible)[:, None, None])
 
 
 def paged_attention_batched(
