@@ -85,22 +85,32 @@ def test_greedy_batched_with_prefix_hits_and_chunks_equals_generate(engine, refe
     assert again["choices"][0]["token_ids"] == _generate(reference, prompts[5], 32)
 
 
+def _streams_as_generate(eng, reference, count: int, interval: int = 1) -> list[list[int]]:
+    """`count` greedy requests of 24 tokens and one with a stop string: each one's tokens are generate()'s and its
+    deltas' text joined is its output's, the first token's delta alone, then `interval` tokens a delta (the last
+    ending it); the stop string cuts where it does. Returns the prompts."""
+    prompts = [_prompt(reference[1], i) for i in range(count)]
+    handles = [_run(eng, p, max_tokens=24, **GREEDY) for p in prompts]
+    stopped = _run(eng, prompts[0], max_tokens=24, stop=["item"], **GREEDY)
+    for p, handle in zip(prompts, handles):
+        events = list(handle.events(timeout=120))
+        final = events[-1].data["outputs"]["choices"][0]
+        assert final["token_ids"] == _generate(reference, p, 24)
+        deltas = [e.data for e in events if e.kind is EventKind.DELTA]
+        assert len(deltas) == 1 + -(-23 // interval) and deltas[-1]["finish_reason"] == "length"
+        assert "".join(d["text"] for d in deltas) == final["text"]
+    text = stopped.result(timeout=120)["choices"][0]["text"]
+    whole = reference[1].decode(_generate(reference, prompts[0], 24), skip_special_tokens=True)
+    assert "item" not in text and whole.startswith(text)
+    return prompts
+
+
 def test_a_publisher_thread_streams_the_same_deltas(checkpoint, reference):
     """publish_thread (on by default on a GPU): detokenizing and emitting in a thread beside the forward gives the
     same streamed text, in order, and the same outputs, greedy and with a stop string."""
     eng = _engine(checkpoint, kv_cache_mb=8, block_size=4, publish_thread=True)
     try:
-        prompts = [_prompt(reference[1], i) for i in range(4)]
-        handles = [_run(eng, p, max_tokens=24, **GREEDY) for p in prompts]
-        stopped = _run(eng, prompts[0], max_tokens=24, stop=["item"], **GREEDY)
-        for p, handle in zip(prompts, handles):
-            events = list(handle.events(timeout=120))
-            final = events[-1].data["outputs"]["choices"][0]
-            assert final["token_ids"] == _generate(reference, p, 24)
-            assert "".join(e.data["text"] for e in events if e.kind.value == "delta") == final["text"]
-        text = stopped.result(timeout=120)["choices"][0]["text"]
-        whole = reference[1].decode(_generate(reference, prompts[0], 24), skip_special_tokens=True)
-        assert "item" not in text and whole.startswith(text)
+        _streams_as_generate(eng, reference, 4)
     finally:
         eng.shutdown()
 
@@ -111,19 +121,7 @@ def test_stream_interval_coalesces_the_deltas_and_nothing_else(checkpoint, refer
     request whose caller reads only the result (stream=False) has two deltas, the first token's and the rest."""
     eng = _engine(checkpoint, kv_cache_mb=8, block_size=4, stream_interval=4)
     try:
-        prompts = [_prompt(reference[1], i) for i in range(3)]
-        handles = [_run(eng, p, max_tokens=24, **GREEDY) for p in prompts]
-        stopped = _run(eng, prompts[0], max_tokens=24, stop=["item"], **GREEDY)
-        for p, handle in zip(prompts, handles):
-            events = list(handle.events(timeout=120))
-            final = events[-1].data["outputs"]["choices"][0]
-            assert final["token_ids"] == _generate(reference, p, 24)
-            deltas = [e.data for e in events if e.kind is EventKind.DELTA]
-            assert len(deltas) == 1 + -(-23 // 4) and deltas[-1]["finish_reason"] == "length"  # 1, 4 x 5, 3
-            assert "".join(d["text"] for d in deltas) == final["text"]
-        text = stopped.result(timeout=120)["choices"][0]["text"]
-        whole = reference[1].decode(_generate(reference, prompts[0], 24), skip_special_tokens=True)
-        assert "item" not in text and whole.startswith(text)
+        prompts = _streams_as_generate(eng, reference, 3, interval=4)  # deltas of 1, 4 x 5, 3 tokens
         # a caller that reads only the result: the first token's delta, then one at the end
         quiet = eng.submit_chat("m", ChatRequest(prompt=prompts[1], params=SamplingParams(max_tokens=24, **GREEDY),
                                                  stream=False))
