@@ -85,6 +85,25 @@ def test_greedy_batched_with_prefix_hits_and_chunks_equals_generate(engine, refe
     assert again["choices"][0]["token_ids"] == _generate(reference, prompts[5], 32)
 
 
+def test_the_next_turn_reads_the_keys_its_reply_decoded(engine, reference):
+    """A reply's keys and values, written step after step while it decoded (on a CPU into the decode mirror first,
+    the paged cache at the next step that reads it), serve the next turn from the prefix cache: a prompt that
+    extends the first request's prompt and reply hits blocks filled by decode steps, and its tokens and their
+    log-probabilities are the model's own (the tiny model's greedy tokens alone would survive a wrong key)."""
+    first = _prompt(reference[1], 6)
+    reply = _run(engine, first, max_tokens=28, **GREEDY).result(timeout=120)["choices"][0]["token_ids"]
+    follow = first + reply + _prompt(reference[1], 1)[1:]
+    out = _run(engine, follow, max_tokens=8, logprobs=True, **GREEDY).result(timeout=120)
+    assert out["usage"]["cached_tokens"] >= len(first) + 24  # whole blocks of the reply's own positions
+    tokens = out["choices"][0]["token_ids"]
+    assert tokens == _generate(reference, follow, 8)
+    with torch.inference_mode():
+        logits = reference[0](torch.tensor([follow + tokens])).logits[0, len(follow) - 1:-1]
+    expected = logits.float().log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+    got = torch.tensor([entry["logprob"] for entry in out["choices"][0]["logprobs"]])
+    assert torch.allclose(got, expected, atol=1e-4), (got, expected)
+
+
 def _streams_as_generate(eng, reference, count: int, interval: int = 1) -> list[list[int]]:
     """`count` greedy requests of 24 tokens and one with a stop string: each one's tokens are generate()'s and its
     deltas' text joined is its output's, the first token's delta alone, then `interval` tokens a delta (the last

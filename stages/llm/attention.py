@@ -60,22 +60,30 @@ def paged_attention(layer: int, q: torch.Tensor, key: torch.Tensor, value: torch
                     scaling: float | None = None, sliding_window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
     """One layer's attention for the packed step: q [T, Hq, D], this step's key/value [T, Hkv, D] (written into
-    the paged cache first) -> [T, Hq, D]."""
-    write_kv(key, value, meta.k_caches[layer], meta.v_caches[layer], meta.slot_mapping, all_valid=meta.slots_valid)
+    the paged cache first, or into the mirror of a step it continues) -> [T, Hq, D]."""
+    mirror = meta.mirror
+    continued = mirror is not None and not mirror.fresh  # the mirror holds this step's keys (the cache: at its flush)
+    if not continued:
+        write_kv(key, value, meta.k_caches[layer], meta.v_caches[layer], meta.slot_mapping,
+                 all_valid=meta.slots_valid)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if meta.all_decode and sliding_window is None and softcap is None and q.is_cuda:  # the Triton decode kernel
         return decode_attention(q, meta.k_caches[layer], meta.v_caches[layer], meta.block_tables, meta.context_lens,
                                 scale)
     layouts = meta.layouts.get(sliding_window)
     if layouts is None:
-        layouts = meta.layouts[sliding_window] = batched_layouts(
-            q.shape[0], meta.k_caches[layer].shape[1], query_start_loc=meta.query_start_loc,
-            context_lens=meta.context_lens, block_tables=meta.block_tables, sliding_window=sliding_window,
-            max_query_len=meta.max_query_len, max_context_len=meta.max_context_len)
+        if mirror is not None and continued and sliding_window is None and softcap is None:  # its kept mask
+            layouts = (mirror.layout(meta.block_tables),)
+        else:
+            layouts = batched_layouts(
+                q.shape[0], meta.k_caches[layer].shape[1], query_start_loc=meta.query_start_loc,
+                context_lens=meta.context_lens, block_tables=meta.block_tables, sliding_window=sliding_window,
+                max_query_len=meta.max_query_len, max_context_len=meta.max_context_len)
+        meta.layouts[sliding_window] = layouts
     dense = None
-    if meta.mirror is not None and len(layouts) == 1 and layouts[0].whole:
+    if mirror is not None and (continued or len(layouts) == 1 and layouts[0].whole):  # (a decode step's: whole)
         k_cache, v_cache = meta.k_caches[layer], meta.v_caches[layer]
-        dense = meta.mirror.layer(layer, key, value, lambda: gathered(k_cache, v_cache, layouts[0]))
+        dense = mirror.layer(layer, key, value, lambda: gathered(k_cache, v_cache, layouts[0]))
     return paged_attention_batched(q, meta.k_caches[layer], meta.v_caches[layer],
                                    query_start_loc=meta.query_start_loc, context_lens=meta.context_lens,
                                    block_tables=meta.block_tables, scale=scale, sliding_window=sliding_window,

@@ -8,22 +8,31 @@ per sequence. The mirror keeps it: a step of the same sequences, each one token 
 key and value into the mirror at its position; any other step (a sequence joined, left, was preempted, fed more
 than one token, or outgrew the mirror) gathers afresh into a new one, with room to grow.
 
-The paged cache stays the record (the KV write happens as before); the mirror is a copy of what the gather would
-read, so attention sees the same keys and values, bit for bit. It is bounded (`budget_bytes`): a batch whose mirror
-would be larger gathers every step, as before. On CUDA the decode kernel reads the paged cache itself.
+While it serves, the mirror is a write-back cache in front of the paged one: a step it continues writes its new keys
+and values into the mirror only, and the paged cache receives them (`flush`, a few ops for any number of steps)
+before anything reads it again: before the mirror is rebuilt or dropped, and at every step it does not continue
+(the runner's prefill and mixed steps, block copies). It also keeps the step's attention mask, one more visible
+key per sequence a step, so a continued step builds no layout. Attention sees the keys and values the gather would
+read, bit for bit. It is bounded (`budget_bytes`): a batch whose mirror would be larger gathers every step, as
+before. On CUDA the decode kernel reads the paged cache itself.
 """
 
 from __future__ import annotations
 
 import torch
 
+from stages.llm.paged_attention import BatchedLayout
+
 HEADROOM = 128  # positions a new mirror leaves for the steps after it, past the longest context
 BUDGET_MB = 64  # the largest mirror kept (keys and values of every layer); a larger batch gathers every step
 
 
 class DecodeMirror:
-    def __init__(self, num_layers: int, budget_bytes: int = BUDGET_MB << 20):
-        self.num_layers = num_layers
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 budget_bytes: int = BUDGET_MB << 20):
+        """`k_caches`, `v_caches`: the paged caches it stands in front of, per layer [blocks, block_size, Hkv, D]."""
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.num_layers = len(k_caches)
         self.budget_bytes = budget_bytes
         self.seq_ids: tuple[int, ...] = ()
         self.context_lens: list[int] = []
@@ -31,21 +40,33 @@ class DecodeMirror:
         # [B, capacity, Hkv, D]: 266 against 330 us a layer, measured)
         self.values: list[torch.Tensor | None] = []
         self.capacity = 0
-        self.fresh = False  # this step builds the mirror (each layer gathers into it)
+        self.fresh = False  # this step builds the mirror (each layer gathers into it); else it continues
         self.heads: torch.Tensor | None = None  # [B, Hkv] the first row of each (sequence, kv head) in a flat layer
         self.rows: torch.Tensor | None = None  # [B * Hkv] this step's row of each in a layer viewed [-1, D]
+        self.bias: torch.Tensor | None = None  # [B, 1, 1, capacity] SDPA's additive mask: 0 up to each context
+        self.bias_rows: torch.Tensor | None = None  # [B] each sequence's entry before position 0 in the flat mask
+        self.query_rows: torch.Tensor | None = None  # [B, 1] the layout's packed query row of each sequence
+        self.num_blocks = 0  # this step's key width in blocks (the gather's: ceil(longest context / block_size))
+        self.block_size = 0
+        # continued steps whose rows the paged cache lacks: their slots [B] and mirror rows [B * Hkv]
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def begin(self, seq_ids: tuple[int, ...], context_lens: list[int], block_size: int, kv_shape: tuple[int, int],
-              dtype: torch.dtype, device: torch.device) -> bool:
-        """A decode step of `seq_ids` at `context_lens` (this step's token included): whether the mirror serves it
-        (else the step gathers as usual and the mirror is dropped)."""
+    def begin(self, seq_ids: tuple[int, ...], context_lens: list[int], slots: torch.Tensor, block_size: int,
+              dtype: torch.dtype) -> bool:
+        """A decode step of `seq_ids` at `context_lens` (this step's token included), their new tokens' paged
+        `slots` [B]: whether the mirror serves it (else the step gathers as usual and the mirror is dropped)."""
         longest = max(context_lens)
+        heads, dim = self.k_caches[0].shape[2:]
+        device = slots.device
+        lens = torch.tensor(context_lens, device=device)
         if seq_ids == self.seq_ids and longest <= self.capacity and \
                 all(now == before + 1 for now, before in zip(context_lens, self.context_lens)):
             self.fresh = False
+            assert self.bias is not None and self.bias_rows is not None
+            self.bias.view(-1).index_fill_(0, self.bias_rows + lens, 0.0)  # each sequence's new key turns visible
         else:
+            self.flush()
             capacity = -(-(longest + HEADROOM) // block_size) * block_size
-            heads, dim = kv_shape
             size = 2 * self.num_layers * len(seq_ids) * capacity * heads * dim * dtype.itemsize
             if size > self.budget_bytes:
                 self.drop()
@@ -53,13 +74,42 @@ class DecodeMirror:
             self.seq_ids, self.capacity, self.fresh = seq_ids, capacity, True
             self.keys = [None] * self.num_layers
             self.values = [None] * self.num_layers
-            self.heads = torch.arange(len(seq_ids) * heads, device=device).view(len(seq_ids), heads) * capacity
+            count = len(seq_ids)
+            self.heads = torch.arange(count * heads, device=device).view(count, heads) * capacity
+            self.bias = torch.zeros(count, 1, 1, capacity, device=device).masked_fill_(
+                torch.arange(capacity, device=device) >= lens[:, None, None, None], float("-inf"))
+            self.bias_rows = torch.arange(count, device=device) * capacity - 1  # + context: the newest key's entry
+            self.query_rows = torch.arange(count, device=device)[:, None]
         self.context_lens = list(context_lens)
+        self.block_size, self.num_blocks = block_size, -(-longest // block_size)
         assert self.heads is not None
-        self.rows = (self.heads + torch.tensor(context_lens, device=device)[:, None] - 1).view(-1)
+        self.rows = (self.heads + lens[:, None] - 1).view(-1)
+        if not self.fresh:  # (a fresh mirror's step writes the paged cache: the gather reads this step's rows)
+            self.pending.append((slots, self.rows))
         return True
 
+    def layout(self, block_tables: torch.Tensor) -> BatchedLayout:
+        """A continued step's decode layout (no sliding window): the kept mask, as wide as the gather's."""
+        assert self.bias is not None and self.query_rows is not None and not self.fresh
+        return BatchedLayout(block_tables, self.num_blocks, self.query_rows, None, None, True,
+                             self.bias[..., :self.num_blocks * self.block_size])
+
+    def flush(self) -> None:
+        """Write the continued steps' keys and values into the paged cache: one gather and one scatter a tensor."""
+        if not self.pending:
+            return
+        slots = torch.cat([s for s, _ in self.pending])
+        rows = torch.cat([r for _, r in self.pending])
+        self.pending = []
+        for mirrored, caches in ((self.keys, self.k_caches), (self.values, self.v_caches)):
+            for layer, cache in zip(mirrored, caches):
+                assert layer is not None
+                flat = cache.view(-1, *cache.shape[2:])  # [slots, Hkv, D]
+                flat.index_copy_(0, slots, layer.view(-1, cache.shape[-1]).index_select(0, rows).view(
+                    -1, *cache.shape[2:]))
+
     def drop(self) -> None:
+        self.flush()
         self.seq_ids, self.context_lens, self.capacity = (), [], 0
         self.keys, self.values = [], []
 

@@ -159,8 +159,10 @@ class BatchedLayout:
     tables: torch.Tensor  # [B, >= n] its sequences' block tables
     num_blocks: int  # n = ceil(ctx_max / block_size); positions past a context read a valid block and are masked
     rows: torch.Tensor  # [B, q_max] packed query row of each padded query position
-    mask: torch.Tensor  # [B, 1, q_max, n * block_size] bool: the key is visible to the query
-    seen: torch.Tensor  # [B, q_max] bool: a real query row with a context (the rest come out as zeros)
+    # [B, 1, q_max, n * block_size] bool: the key is visible to the query (read by the soft cap's attention)
+    mask: torch.Tensor | None
+    seen: torch.Tensor | None  # [B, q_max] bool: a real query row with a context (the rest come out as zeros)
+    # (a DecodeMirror's layout has neither: whole, no soft cap)
     whole: bool  # it covers every packed row, in order, with no padding (a decode step): no scatter
     # the mask as SDPA's additive float32 form (0 / -inf), made once for every layer: SDPA would convert a bool mask
     # in every call. None where the mask is plain causal (`causal`): SDPA's is_causal then needs none
@@ -279,6 +281,7 @@ def paged_attention_batched(
     result = torch.zeros_like(query)
     for layout in layouts:
         out = _attend(query, k_cache, v_cache, layout, scale, soft_cap)
+        assert layout.seen is not None
         result[layout.rows[layout.seen]] = out[layout.seen].to(query.dtype)
     return result
 
@@ -317,6 +320,7 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, l
         groups = q.shape[1] // num_kv_heads
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scores = soft_cap * torch.tanh(q @ k.transpose(-1, -2) * scale / soft_cap)
+        assert layout.mask is not None
         out = scores.masked_fill(~layout.mask, float("-inf")).softmax(-1) @ v
     return out.transpose(1, 2)
 

@@ -84,7 +84,7 @@ class ModelRunner:
         self.hidden_size = config.hidden_size
         self.decode_graphs = None
         # CPU decode steps of the same sequences keep their keys and values laid out (stages/llm/decode_mirror.py)
-        self.mirror = DecodeMirror(self.kv.num_layers) if self.device.type == "cpu" else None
+        self.mirror = DecodeMirror(self.k_caches, self.v_caches) if self.device.type == "cpu" else None
         if scratch:
             self.table_width = -(-self.max_context // block_size)  # static block-table columns
             pads = {"input_ids": 0, "positions": 0, "slot_mapping": self.num_blocks * block_size, "context_lens": 0,
@@ -100,14 +100,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, plan: Plan) -> torch.Tensor:
-        for src, dst in plan.copies:  # copy-on-write of shared partial blocks, before anyone writes them
-            for cache in (*self.k_caches, *self.v_caches):
-                cache[dst].copy_(cache[src])
         chunks = plan.chunks
         if self.decode_graphs is not None and all(len(c.token_ids) == 1 and c.sample and not c.seq.media
                                                   and c.seq.hidden is None
                                                   and (not c.seq.lora or self.lora_slots is not None)
                                                   for c in chunks):
+            self._copy_blocks(plan.copies)
             return self.decode_graphs(self._decode_inputs(chunks))
         dev = self.device
         # the step's metadata from host lists, in one tensor made at once (one copy to a device; no per-sequence
@@ -138,10 +136,13 @@ class ModelRunner:
             k_caches=self.k_caches, v_caches=self.v_caches, slot_mapping=slot_mapping, slots_valid=min(slots) >= 0,
             query_start_loc=query_start_loc, context_lens=context_lens_t, block_tables=block_tables.view(count, width),
             all_decode=longest == 1, max_query_len=longest, max_context_len=max(context_lens))
-        if self.mirror is not None and meta.all_decode and self.mirror.begin(
-                tuple(c.seq.seq_id for c in chunks), context_lens, self.kv.block_size,
-                (self.kv.num_kv_heads, self.kv.head_dim), self.dtype, dev):
-            meta.mirror = self.mirror
+        if self.mirror is not None:
+            if meta.all_decode and meta.slots_valid and not plan.copies and self.mirror.begin(
+                    tuple(c.seq.seq_id for c in chunks), context_lens, slot_mapping, self.kv.block_size, self.dtype):
+                meta.mirror = self.mirror
+            else:  # any other step reads the paged cache: the rows the mirror kept go there first
+                self.mirror.flush()
+        self._copy_blocks(plan.copies)
         inputs = {"input_ids": input_ids[None]}
         if any(c.seq.media for c in chunks):  # embed, then splice each chunk's slice of its media features
             embeds = self.model.get_input_embeddings()(input_ids)  # [T, H]
@@ -172,6 +173,11 @@ class ModelRunner:
         if len(last) < hidden.shape[0]:  # (in a decode step every row samples: the rows are the hidden states)
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=dev)]
         return self._logits(hidden)
+
+    def _copy_blocks(self, copies) -> None:
+        for src, dst in copies:  # copy-on-write of shared partial blocks, before anyone writes them
+            for cache in (*self.k_caches, *self.v_caches):
+                cache[dst].copy_(cache[src])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head over hidden states [rows, H]: float32 logits [rows, V], soft-capped where the model does."""
