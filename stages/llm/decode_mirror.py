@@ -41,10 +41,10 @@ class DecodeMirror:
         self.values: list[torch.Tensor | None] = []
         self.capacity = 0
         self.fresh = False  # this step builds the mirror (each layer gathers into it); else it continues
-        self.heads: torch.Tensor | None = None  # [B, Hkv] the first row of each (sequence, kv head) in a flat layer
-        self.rows: torch.Tensor | None = None  # [B * Hkv] this step's row of each in a layer viewed [-1, D]
+        self.rows: torch.Tensor | None = None  # [B * Hkv] this step's row of each (sequence, kv head) in a layer
+        # viewed [-1, D]
         self.bias: torch.Tensor | None = None  # [B, 1, 1, capacity] SDPA's additive mask: 0 up to each context
-        self.bias_rows: torch.Tensor | None = None  # [B] each sequence's entry before position 0 in the flat mask
+        self.newest: torch.Tensor | None = None  # [B] each sequence's newest key's entry in the flat mask
         self.query_rows: torch.Tensor | None = None  # [B, 1] the layout's packed query row of each sequence
         self.num_blocks = 0  # this step's key width in blocks (the gather's: ceil(longest context / block_size))
         self.block_size = 0
@@ -56,16 +56,17 @@ class DecodeMirror:
         """A decode step of `seq_ids` at `context_lens` (this step's token included), their new tokens' paged
         `slots` [B]: whether the mirror serves it (else the step gathers as usual and the mirror is dropped)."""
         longest = max(context_lens)
-        heads, dim = self.k_caches[0].shape[2:]
-        device = slots.device
-        lens = torch.tensor(context_lens, device=device)
         if seq_ids == self.seq_ids and longest <= self.capacity and \
                 all(now == before + 1 for now, before in zip(context_lens, self.context_lens)):
             self.fresh = False
-            assert self.bias is not None and self.bias_rows is not None
-            self.bias.view(-1).index_fill_(0, self.bias_rows + lens, 0.0)  # each sequence's new key turns visible
+            assert self.rows is not None and self.newest is not None and self.bias is not None
+            # every sequence one position further: its rows, and its newest key's entry in the mask, turns visible
+            self.rows, self.newest = self.rows + 1, self.newest + 1
+            self.bias.view(-1).index_fill_(0, self.newest, 0.0)
+            self.pending.append((slots, self.rows))  # (a fresh mirror's step writes the paged cache itself)
         else:
             self.flush()
+            heads, dim = self.k_caches[0].shape[2:]
             capacity = -(-(longest + HEADROOM) // block_size) * block_size
             size = 2 * self.num_layers * len(seq_ids) * capacity * heads * dim * dtype.itemsize
             if size > self.budget_bytes:
@@ -74,18 +75,16 @@ class DecodeMirror:
             self.seq_ids, self.capacity, self.fresh = seq_ids, capacity, True
             self.keys = [None] * self.num_layers
             self.values = [None] * self.num_layers
-            count = len(seq_ids)
-            self.heads = torch.arange(count * heads, device=device).view(count, heads) * capacity
+            count, device = len(seq_ids), slots.device
+            lens = torch.tensor(context_lens, device=device)
+            first = torch.arange(count * heads, device=device).view(count, heads) * capacity
+            self.rows = (first + lens[:, None] - 1).view(-1)
             self.bias = torch.zeros(count, 1, 1, capacity, device=device).masked_fill_(
                 torch.arange(capacity, device=device) >= lens[:, None, None, None], float("-inf"))
-            self.bias_rows = torch.arange(count, device=device) * capacity - 1  # + context: the newest key's entry
+            self.newest = torch.arange(count, device=device) * capacity + lens - 1
             self.query_rows = torch.arange(count, device=device)[:, None]
         self.context_lens = list(context_lens)
         self.block_size, self.num_blocks = block_size, -(-longest // block_size)
-        assert self.heads is not None
-        self.rows = (self.heads + lens[:, None] - 1).view(-1)
-        if not self.fresh:  # (a fresh mirror's step writes the paged cache: the gather reads this step's rows)
-            self.pending.append((slots, self.rows))
         return True
 
     def layout(self, block_tables: torch.Tensor) -> BatchedLayout:
