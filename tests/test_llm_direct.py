@@ -91,6 +91,26 @@ def test_the_direct_decoder_equals_transformers_bit_for_bit(arch, dtype):
         assert torch.equal(a, b)  # the same keys and values written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_rotation_table_equals_the_embedding_of_each_step_and_grows(dtype):
+    """The cos and sin read from the table are the ones the model's rotary embedding gives the step's positions
+    itself, bit for bit, also after a step past the table made it grow; a rotation that depends on the length
+    (dynamic NTK) is computed each step."""
+    model = tiny(*SERVED["llama"]).to(dtype)
+    direct = DirectDecoder(model.model)
+    hidden = torch.zeros(3, model.config.hidden_size, dtype=dtype)
+    for positions in ([0, 5, 1023], [1500, 7, 3000]):  # the second reaches past the first table
+        pos = torch.tensor(positions)
+        got = direct._cos_sin(hidden, pos, None)
+        cos, sin = model.model.rotary_emb(hidden[None], pos[None])
+        assert all(torch.equal(a, b) for a, b in zip(got, direct.rotary.prepare(cos[0], sin[0])))
+    assert direct.table is not None and direct.table[0].shape[0] > 3000
+    dynamic = tiny(*SERVED["llama"][:2], dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                               "rope_theta": 10000.0}))
+    assert not DirectDecoder(dynamic.model).tabled
+
+
 def test_other_decoders_go_through_transformers():
     gemma = tiny(GemmaForCausalLM, GemmaConfig, dict(head_dim=16))
     assert not DirectDecoder.serves(gemma.model)

@@ -27,6 +27,7 @@ from torch.nn.modules import module as _global_hooks
 
 from stages.llm import attention
 
+TABLE_POSITIONS = 1024  # the rotation's first table (positions); it doubles when a step reaches past it
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # weight * x * rsqrt(mean(x^2) + eps), in float32 the very ops of torch's rms_norm, which runs them in one call
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -108,6 +109,9 @@ class DirectDecoder:
         self.layers = list(decoder.layers[:config.num_hidden_layers])
         first = self.layers[0].self_attn
         self.rotary = Rotary(sys.modules[type(first).__module__].apply_rotary_pos_emb, first.q_proj.weight.dtype)
+        rope_type = str(getattr(decoder.rotary_emb, "rope_type", "default"))
+        self.tabled = "dynamic" not in rope_type and rope_type != "longrope"  # (see _cos_sin)
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin by position (see _cos_sin)
         # each layer's (attention module, sliding window, whether it has q/k norms)
         self.attention = []
         for layer in self.layers:
@@ -115,6 +119,25 @@ class DirectDecoder:
             window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window",
                                                                                          None)
             self.attention.append((attn, window, hasattr(attn, "q_norm")))
+
+    def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor, longest: int | None):
+        """The rotation's cos and sin at `positions` ([T, 1, D], the sine signed, where `Rotary` applies it; else
+        [T, D] for the model's own function), read from
+        a table of the model's own rotary embedding over positions 0 .. n - 1, made once and grown when a step
+        reaches past it (vLLM's cos_sin_cache): the same values as the embedding called each step, which computes
+        each position alone, without its dozen ops a step. A rotation that depends on the sequence's length
+        (dynamic, longrope) is computed each step."""
+        rotary_emb = self.decoder.rotary_emb
+        if not self.tabled:
+            cos, sin = rotary_emb(hidden[None], positions[None])  # [1, T, D]
+            return self.rotary.prepare(cos[0], sin[0]) if self.rotary.exact else (cos[0], sin[0])
+        longest = int(positions.max()) + 1 if longest is None else longest
+        if self.table is None or longest > self.table[0].shape[0]:
+            size = max(longest, 2 * self.table[0].shape[0] if self.table is not None else 0, TABLE_POSITIONS)
+            everywhere = torch.arange(size, device=hidden.device)
+            cos, sin = rotary_emb(hidden[:1, None], everywhere[None])
+            self.table = self.rotary.prepare(cos[0], sin[0]) if self.rotary.exact else (cos[0], sin[0])
+        return self.table[0][positions], self.table[1][positions]
 
     @staticmethod
     def serves(decoder) -> bool:
@@ -133,9 +156,8 @@ class DirectDecoder:
         """input_ids, positions [T] (the packed step) -> the last hidden states [T, H]."""
         decoder = self.decoder
         hidden = decoder.embed_tokens(input_ids)  # [T, H]
-        cos, sin = decoder.rotary_emb(hidden[None], positions[None])  # [1, T, D]
         exact = self.rotary.exact
-        cos, sin = self.rotary.prepare(cos[0], sin[0]) if exact else (cos[0], sin[0])
+        cos, sin = self._cos_sin(hidden, positions, meta.max_context_len)
         tokens = hidden.shape[0]
         for layer, (attn, window, qk_norms) in zip(self.layers, self.attention):
             residual = hidden
