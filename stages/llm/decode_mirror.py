@@ -60,7 +60,7 @@ class DecodeMirror:
                 all(now == before + 1 for now, before in zip(context_lens, self.context_lens)):
             self.fresh = False
             assert self.rows is not None and self.newest is not None and self.bias is not None
-            # every sequence one position further: its rows, and its newest key's entry in the mask, turns visible
+            # every sequence is one position further: its rows move by one, its newest key turns visible in the mask
             self.rows, self.newest = self.rows + 1, self.newest + 1
             self.bias.view(-1).index_fill_(0, self.newest, 0.0)
             self.pending.append((slots, self.rows))  # (a fresh mirror's step writes the paged cache itself)

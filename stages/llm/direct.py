@@ -122,11 +122,10 @@ class DirectDecoder:
 
     def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor, longest: int | None):
         """The rotation's cos and sin at `positions` ([T, 1, D], the sine signed, where `Rotary` applies it; else
-        [T, D] for the model's own function), read from
-        a table of the model's own rotary embedding over positions 0 .. n - 1, made once and grown when a step
-        reaches past it (vLLM's cos_sin_cache): the same values as the embedding called each step, which computes
-        each position alone, without its dozen ops a step. A rotation that depends on the sequence's length
-        (dynamic, longrope) is computed each step."""
+        [T, D] for the model's own function), read from a table of the model's own rotary embedding over positions
+        0 .. n - 1, made once and grown when a step reaches past it (vLLM's cos_sin_cache): the same values as the
+        embedding called each step, which computes each position alone, without its dozen ops a step. A rotation
+        that depends on the sequence's length (dynamic, longrope) is computed each step."""
         rotary_emb = self.decoder.rotary_emb
         if not self.tabled:
             cos, sin = rotary_emb(hidden[None], positions[None])  # [1, T, D]
