@@ -128,15 +128,17 @@ class DirectDecoder:
         that depends on the sequence's length (dynamic, longrope) is computed each step."""
         rotary_emb = self.decoder.rotary_emb
         if not self.tabled:
-            cos, sin = rotary_emb(hidden[None], positions[None])  # [1, T, D]
-            return self.rotary.prepare(cos[0], sin[0]) if self.rotary.exact else (cos[0], sin[0])
+            return self._shaped(*rotary_emb(hidden[None], positions[None]))
         longest = int(positions.max()) + 1 if longest is None else longest
         if self.table is None or longest > self.table[0].shape[0]:
             size = max(longest, 2 * self.table[0].shape[0] if self.table is not None else 0, TABLE_POSITIONS)
             everywhere = torch.arange(size, device=hidden.device)
-            cos, sin = rotary_emb(hidden[:1, None], everywhere[None])
-            self.table = self.rotary.prepare(cos[0], sin[0]) if self.rotary.exact else (cos[0], sin[0])
+            self.table = self._shaped(*rotary_emb(hidden[:1, None], everywhere[None]))
         return self.table[0][positions], self.table[1][positions]
+
+    def _shaped(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding's cos, sin [1, T, D] in the form the rotation applied takes."""
+        return self.rotary.prepare(cos[0], sin[0]) if self.rotary.exact else (cos[0], sin[0])
 
     @staticmethod
     def serves(decoder) -> bool:
