@@ -156,11 +156,14 @@ class Scheduler:
 
     def commit(self, plan: Plan) -> None:
         """After the forward completed: the chunks' KV is written (sequences still alive only)."""
+        size = self.blocks.block_size
         for chunk in plan.chunks:
             seq = chunk.seq
-            if seq.status is SeqStatus.RUNNING and seq.block_table is not None:
+            table = seq.block_table
+            if seq.status is SeqStatus.RUNNING and table is not None:
                 seq.num_computed_tokens = max(seq.num_computed_tokens, chunk.context_len)
-                self.blocks.mark_computed(seq.block_table, seq.tokens, seq.num_computed_tokens, seq.namespace)
+                if seq.num_computed_tokens // size > len(table.block_hashes):  # a block filled: registered now
+                    self.blocks.mark_computed(table, seq.tokens, seq.num_computed_tokens, seq.namespace)
 
     # -- helpers --------------------------------------------------------------------------------
     def _next_waiting(self) -> Sequence:
