@@ -229,6 +229,7 @@ def test_append_slot_is_append_where_it_answers():
     bm = BlockManager(8, 4)
     tokens = [1, 2, 3, 4, 5]
     table, twin = alloc(bm, tokens, computed=True), alloc(bm, tokens, computed=True)
+    assert not bm.appends_in_place(table, 4) and bm.appends_in_place(table, 5)  # (what append_slot answers)
     assert bm.append_slot(table, 4) is None  # position 4 has its slot already (allocate assigned the prompt's)
     slot = bm.append_slot(table, 5)
     assert bm.append(twin, tokens + [6], 1) == [] and table.num_tokens == twin.num_tokens == 6  # what append does
@@ -236,10 +237,12 @@ def test_append_slot_is_append_where_it_answers():
     before = (list(table.block_ids), table.num_tokens)
     for position in (6, 7):
         assert bm.append_slot(table, position) == table.block_ids[1] * 4 + position % 4
+    assert not bm.appends_in_place(table, 8)
     assert bm.append_slot(table, 8) is None and (table.num_tokens, len(table.block_ids)) == (8, 2)  # block full
     assert before[0] == table.block_ids
     child = BlockTable()
     bm.fork(twin, child)
+    assert not bm.appends_in_place(child, 6)
     assert bm.append_slot(child, 6) is None and child.num_tokens == 6  # the tail is shared: append copies it
     assert bm.append(child, tokens + [6, 7], 1) != []
     bm.check_invariants()

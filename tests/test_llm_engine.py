@@ -104,6 +104,32 @@ def test_the_next_turn_reads_the_keys_its_reply_decoded(engine, reference):
     assert torch.allclose(got, expected, atol=1e-4), (got, expected)
 
 
+def test_decode_steps_without_a_plan_equal_the_planned_ones(checkpoint, reference):
+    """Decode steps of the same sequences run without a Plan (LLMStage._continue_decode: slots in place or in new
+    blocks, keys from the mirror, no layout): the very tokens and log-probabilities of the same requests in an
+    engine that plans every step, and generate()'s tokens. Four prompts of different lengths, blocks of 4
+    positions: the sequences cross blocks at different steps."""
+    prompts = [_prompt(reference[1], i) for i in range(4)]
+    outputs, continued = [], []
+    for plan_every_step in (False, True):
+        eng = _engine(checkpoint, kv_cache_mb=8, block_size=4)
+        try:
+            stage = eng.chat_model("m").stage
+            continue_decode = stage._continue_decode
+            stage._continue_decode = (lambda: False) if plan_every_step else \
+                (lambda: continued.append(continue_decode()) or continued[-1])
+            handles = [_run(eng, p, max_tokens=24, logprobs=True, top_logprobs=2, **GREEDY) for p in prompts]
+            outputs.append([h.result(timeout=120)["choices"][0] for h in handles])
+            assert stage.blocks.num_used_blocks == 0
+        finally:
+            eng.shutdown()
+    without, planned = outputs
+    assert sum(continued) >= 16, continued  # most of the ~24 decode steps
+    for p, a, b in zip(prompts, without, planned):
+        assert a["token_ids"] == b["token_ids"] == _generate(reference, p, 24)
+        assert a["logprobs"] == b["logprobs"]
+
+
 def _streams_as_generate(eng, reference, count: int, interval: int = 1) -> list[list[int]]:
     """`count` greedy requests of 24 tokens and one with a stop string: each one's tokens are generate()'s and its
     deltas' text joined is its output's, the first token's delta alone, then `interval` tokens a delta (the last

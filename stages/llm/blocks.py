@@ -190,11 +190,15 @@ class BlockManager:
         """`append` of one slot for `position` where that is all it does (most steps of a decoding sequence): the
         table's next position, inside its last block, which it holds alone. Returns the position's slot, or None
         where `append` must decide (a new block, a copy-on-write, a slot assigned already)."""
-        size = self.block_size
-        if position != table.num_tokens or not position % size or self._refcount[table.block_ids[-1]] > 1:
+        if not self.appends_in_place(table, position):
             return None
         table.num_tokens += 1
-        return table.block_ids[-1] * size + position % size
+        return table.block_ids[-1] * self.block_size + position % self.block_size
+
+    def appends_in_place(self, table: BlockTable, position: int) -> bool:
+        """Whether `append_slot(table, position)` gives a slot (and changes nothing but the table's count)."""
+        return position == table.num_tokens and position % self.block_size != 0 and \
+            self._refcount[table.block_ids[-1]] == 1
 
     def fork(self, parent: BlockTable, child: BlockTable) -> None:
         """n > 1: the child shares every parent block (refcount + 1).

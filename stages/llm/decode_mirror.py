@@ -55,37 +55,48 @@ class DecodeMirror:
               dtype: torch.dtype) -> bool:
         """A decode step of `seq_ids` at `context_lens` (this step's token included), their new tokens' paged
         `slots` [B]: whether the mirror serves it (else the step gathers as usual and the mirror is dropped)."""
+        if self.continues(seq_ids, context_lens):
+            self.advance(slots)
+            return True
+        self.flush()
         longest = max(context_lens)
-        if seq_ids == self.seq_ids and longest <= self.capacity and \
-                all(now == before + 1 for now, before in zip(context_lens, self.context_lens)):
-            self.fresh = False
-            assert self.rows is not None and self.newest is not None and self.bias is not None
-            # every sequence is one position further: its rows move by one, its newest key turns visible in the mask
-            self.rows, self.newest = self.rows + 1, self.newest + 1
-            self.bias.view(-1).index_fill_(0, self.newest, 0.0)
-            self.pending.append((slots, self.rows))  # (a fresh mirror's step writes the paged cache itself)
-        else:
-            self.flush()
-            heads, dim = self.k_caches[0].shape[2:]
-            capacity = -(-(longest + HEADROOM) // block_size) * block_size
-            size = 2 * self.num_layers * len(seq_ids) * capacity * heads * dim * dtype.itemsize
-            if size > self.budget_bytes:
-                self.drop()
-                return False
-            self.seq_ids, self.capacity, self.fresh = seq_ids, capacity, True
-            self.keys = [None] * self.num_layers
-            self.values = [None] * self.num_layers
-            count, device = len(seq_ids), slots.device
-            lens = torch.tensor(context_lens, device=device)
-            first = torch.arange(count * heads, device=device).view(count, heads) * capacity
-            self.rows = (first + lens[:, None] - 1).view(-1)
-            self.bias = torch.zeros(count, 1, 1, capacity, device=device).masked_fill_(
-                torch.arange(capacity, device=device) >= lens[:, None, None, None], float("-inf"))
-            self.newest = torch.arange(count, device=device) * capacity + lens - 1
-            self.query_rows = torch.arange(count, device=device)[:, None]
+        heads, dim = self.k_caches[0].shape[2:]
+        capacity = -(-(longest + HEADROOM) // block_size) * block_size
+        size = 2 * self.num_layers * len(seq_ids) * capacity * heads * dim * dtype.itemsize
+        if size > self.budget_bytes:
+            self.drop()
+            return False
+        self.seq_ids, self.capacity, self.fresh = seq_ids, capacity, True
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        count, device = len(seq_ids), slots.device
+        lens = torch.tensor(context_lens, device=device)
+        first = torch.arange(count * heads, device=device).view(count, heads) * capacity
+        self.rows = (first + lens[:, None] - 1).view(-1)
+        self.bias = torch.zeros(count, 1, 1, capacity, device=device).masked_fill_(
+            torch.arange(capacity, device=device) >= lens[:, None, None, None], float("-inf"))
+        self.newest = torch.arange(count, device=device) * capacity + lens - 1
+        self.query_rows = torch.arange(count, device=device)[:, None]
         self.context_lens = list(context_lens)
         self.block_size, self.num_blocks = block_size, -(-longest // block_size)
         return True
+
+    def continues(self, seq_ids: tuple[int, ...], context_lens: list[int]) -> bool:
+        """Whether a decode step of `seq_ids` at `context_lens` continues the mirror: the same sequences, each one
+        position further, within its capacity."""
+        return seq_ids == self.seq_ids and max(context_lens) <= self.capacity and \
+            all(now == before + 1 for now, before in zip(context_lens, self.context_lens))
+
+    def advance(self, slots: torch.Tensor) -> None:
+        """The step `continues` said it continues, its new tokens' paged `slots` [B]: every sequence is one position
+        further, its rows move by one and its newest key turns visible in the mask."""
+        assert self.rows is not None and self.newest is not None and self.bias is not None
+        self.fresh = False
+        self.rows, self.newest = self.rows + 1, self.newest + 1
+        self.bias.view(-1).index_fill_(0, self.newest, 0.0)
+        self.pending.append((slots, self.rows))  # (a fresh mirror's step writes the paged cache itself)
+        self.context_lens = [n + 1 for n in self.context_lens]
+        self.num_blocks = -(-max(self.context_lens) // self.block_size)
 
     def layout(self, block_tables: torch.Tensor) -> BatchedLayout:
         """A continued step's decode layout (no sliding window): the kept mask, as wide as the gather's."""

@@ -119,6 +119,7 @@ class DirectDecoder:
             window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window",
                                                                                          None)
             self.attention.append((attn, window, hasattr(attn, "q_norm")))
+        self.windowless = all(window is None for _, window, _ in self.attention)  # (no layer's keys end early)
 
     def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor, longest: int | None):
         """The rotation's cos and sin at `positions` ([T, 1, D], the sine signed, where `Rotary` applies it; else

@@ -20,6 +20,7 @@ from stages.llm.decode_mirror import DecodeMirror
 from stages.llm.direct import DirectDecoder, linear
 from stages.llm.multimodal import mrope_positions, splice
 from stages.llm.scheduler import Plan
+from stages.llm.sequence import Sequence
 from stages.lora import AdapterGate, LoraSlots, rows_use, slots_use
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -173,6 +174,35 @@ class ModelRunner:
         if len(last) < hidden.shape[0]:  # (in a decode step every row samples: the rows are the hidden states)
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=dev)]
         return self._logits(hidden)
+
+    def continues(self, seqs: list[Sequence]) -> bool:
+        """Whether the decode step of `seqs` (Scheduler.decoding: each one token further) may run as
+        `continue_decode`: plain token sequences through the direct decoder with no sliding window (whose layers
+        would build a layout), the same ones the CPU mirror holds, each one position further."""
+        return self.direct is not None and self.direct.windowless and self.mirror is not None and \
+            self.decode_graphs is None and \
+            all(not (seq.lora or seq.media or seq.hidden is not None) for seq in seqs) and \
+            self.mirror.continues(tuple(seq.seq_id for seq in seqs), [seq.num_computed_tokens + 1 for seq in seqs])
+
+    @torch.inference_mode()
+    def continue_decode(self, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
+        """`execute` of the decode step `continues` accepted, without a Plan: each sequence's next token at its
+        next position into `slots`, attended from the mirror (no block table, no layout); float32 logits [B, V]."""
+        count = len(seqs)
+        positions_ = [seq.num_computed_tokens for seq in seqs]
+        ids = [seq.tokens[position] for seq, position in zip(seqs, positions_)]
+        context_lens = [position + 1 for position in positions_]
+        host = torch.frombuffer(array.array("q", ids + positions_ + slots + context_lens), dtype=torch.long)
+        input_ids, positions, slot_mapping, context_lens_t = host.to(self.device).split(count)
+        assert self.mirror is not None and self.direct is not None
+        self.mirror.advance(slot_mapping)
+        meta = attention.PagedMetadata(
+            k_caches=self.k_caches, v_caches=self.v_caches, slot_mapping=slot_mapping, slots_valid=True,
+            query_start_loc=torch.arange(count + 1, device=self.device), context_lens=context_lens_t,
+            block_tables=torch.empty(count, 0, dtype=torch.long, device=self.device),  # (the mirror's keys: none read)
+            all_decode=True, max_query_len=1, max_context_len=max(context_lens), mirror=self.mirror)
+        with self.adapters.using(()):
+            return self._logits(self.direct(input_ids, positions, meta))
 
     def _copy_blocks(self, copies) -> None:
         for src, dst in copies:  # copy-on-write of shared partial blocks, before anyone writes them

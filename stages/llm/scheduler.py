@@ -156,14 +156,54 @@ class Scheduler:
 
     def commit(self, plan: Plan) -> None:
         """After the forward completed: the chunks' KV is written (sequences still alive only)."""
-        size = self.blocks.block_size
         for chunk in plan.chunks:
-            seq = chunk.seq
-            table = seq.block_table
-            if seq.status is SeqStatus.RUNNING and table is not None:
-                seq.num_computed_tokens = max(seq.num_computed_tokens, chunk.context_len)
-                if seq.num_computed_tokens // size > len(table.block_hashes):  # a block filled: registered now
-                    self.blocks.mark_computed(table, seq.tokens, seq.num_computed_tokens, seq.namespace)
+            self._computed(chunk.seq, chunk.context_len)
+
+    # -- a step without a plan: the running sequences, each one token further ----------------------
+    def decoding(self) -> list[Sequence] | None:
+        """The running sequences when this step is what `schedule` would plan for them with nothing to decide:
+        nothing waits, and every one decodes its next token, into its last block (held alone) or into a new
+        block the free ones can give (the common decode step). None otherwise: `schedule` plans the step (an
+        admission, a prefill chunk, a preemption, a copy-on-write)."""
+        if self.waiting or not self.running or len(self.running) > self.config.max_num_batched_tokens:
+            return None
+        size = self.blocks.block_size
+        new_blocks = 0
+        for seq in self.running:
+            table, position = seq.block_table, seq.num_computed_tokens
+            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+                return None
+            if not self.blocks.appends_in_place(table, position):
+                if position != table.num_tokens or position % size:  # (a shared tail: the plan copies it)
+                    return None
+                new_blocks += 1  # its blocks are full: the next one (any full ones shared stay shared)
+        return list(self.running) if new_blocks <= self.blocks.num_free_blocks else None
+
+    def append_slots(self, seqs: list[Sequence]) -> list[int]:
+        """The new token's slot of each of `seqs` (from `decoding`, nothing changed since), assigned as
+        `schedule` assigns it: in place, or in a new block."""
+        slots = []
+        for seq in seqs:
+            table, position = seq.block_table, seq.num_computed_tokens
+            slot = self.blocks.append_slot(table, position)
+            if slot is None:
+                copies = self.blocks.append(table, seq.tokens, 1)
+                assert not copies, "decoding() takes no copy-on-write"
+                slot = self.blocks.slot_mapping(table, position, position + 1)[0]
+            slots.append(slot)
+        return slots
+
+    def commit_decode(self, seqs: list[Sequence]) -> None:
+        """`commit` of a step of `append_slots`: each sequence's next token's KV is written."""
+        for seq in seqs:
+            self._computed(seq, seq.num_computed_tokens + 1)
+
+    def _computed(self, seq: Sequence, context_len: int) -> None:
+        table = seq.block_table
+        if seq.status is SeqStatus.RUNNING and table is not None:
+            seq.num_computed_tokens = max(seq.num_computed_tokens, context_len)
+            if seq.num_computed_tokens // self.blocks.block_size > len(table.block_hashes):  # a block filled
+                self.blocks.mark_computed(table, seq.tokens, seq.num_computed_tokens, seq.namespace)
 
     # -- helpers --------------------------------------------------------------------------------
     def _next_waiting(self) -> Sequence:
