@@ -92,6 +92,10 @@ class ModelRunner:
                     "block_tables": 0}
             self.decode_graphs = GraphRunner(f"{name}/decode", self._decode_forward, graphs, pad_values=pads,
                                              observer=observer)
+        # decode steps of the same sequences may run without a plan (continue_decode): a CPU runner whose layers
+        # run directly with no sliding window (whose layers would build a layout), no decode graphs
+        self.plan_free = self.mirror is not None and self.direct is not None and self.direct.windowless and \
+            self.decode_graphs is None
 
     def execute(self, plan: Plan) -> torch.Tensor:
         """Run the plan's chunks as one packed forward; return float32 logits [rows that sample, V]. The forward
@@ -177,11 +181,10 @@ class ModelRunner:
 
     def continues(self, seqs: list[Sequence]) -> bool:
         """Whether the decode step of `seqs` (Scheduler.decoding: each one token further) may run as
-        `continue_decode`: plain token sequences through the direct decoder with no sliding window (whose layers
-        would build a layout), the same ones the CPU mirror holds, each one position further."""
-        return self.direct is not None and self.direct.windowless and self.mirror is not None and \
-            self.decode_graphs is None and \
-            all(not (seq.lora or seq.media or seq.hidden is not None) for seq in seqs) and \
+        `continue_decode`: plain token sequences (`plan_free` runner), the same ones the mirror holds, each one
+        position further."""
+        assert self.mirror is not None
+        return all(not (seq.lora or seq.media or seq.hidden is not None) for seq in seqs) and \
             self.mirror.continues(tuple(seq.seq_id for seq in seqs), [seq.num_computed_tokens + 1 for seq in seqs])
 
     @torch.inference_mode()

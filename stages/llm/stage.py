@@ -225,11 +225,14 @@ class LLMStage(LoopStage):
 
     def _continue_decode(self) -> bool:
         """The common CPU decode step, the running sequences each one token further, run without a Plan: the
-        scheduler assigns their slots in place, the runner attends from its mirror without block tables or a
-        layout, and the rows are sampled and published as any step's. The same tokens and log-probabilities as
-        the planned step (tests/test_llm_engine.py); the host's share of a step of 16 rows of the demo Llama
-        1.18 -> 0.99 ms (of 12), measured. False where the planned step must run: someone waits, a copy-on-write,
-        a preemption, the mirror rebuilt, adapters, media, kept hidden states, a sliding window, a GPU."""
+        scheduler assigns their slots (in place, or in a new block), the runner attends from its mirror without
+        block tables or a layout, and the rows are sampled and published as any step's. The same tokens and
+        log-probabilities as the planned step (tests/test_llm_engine.py); the host's share of a step of 16 rows of
+        the demo Llama 1.18 -> 0.99 ms (of 12), measured. False where the planned step must run: someone waits, a
+        copy-on-write, a preemption, the mirror rebuilt, adapters, media, kept hidden states, a sliding window, a
+        GPU."""
+        if not self.runner.plan_free:
+            return False
         seqs = self.scheduler.decoding()
         if seqs is None or not self.runner.continues(seqs) or \
                 any(self._owner[seq.seq_id].state["unforked"] for seq in seqs):
