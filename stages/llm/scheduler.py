@@ -10,6 +10,9 @@ sequence is preempted by recompute: its blocks are freed and it waits at the fro
 
 The Plan a step returns is the launch record: immutable rows (sequence, positions, slots, a
 frozen copy of the block table). The runner and the commit read the plan, never the live lists.
+One step has no Plan: where every running sequence just decodes its next token and nothing waits
+(`decoding`), the running list and the slots `append_slots` assigns are the record; the stage runs,
+commits (`commit_decode`) and samples it in one go, with nothing changed in between.
 """
 
 from __future__ import annotations
