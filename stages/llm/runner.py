@@ -130,13 +130,9 @@ class ModelRunner:
         longest = max(len(c.token_ids) for c in chunks)
         width = max(len(c.block_ids) for c in chunks)
         tables = [b for c in chunks for b in (*c.block_ids, *(0,) * (width - len(c.block_ids)))]
-        rows, count = len(ids), len(chunks)
-        # (through an int64 array: torch.tensor of a list converts element by element, 3.5x slower at a decode step's
-        # ~450 numbers)
-        host = torch.frombuffer(array.array("q", ids + positions_ + slots + ends + context_lens + tables),
-                                dtype=torch.long)
-        input_ids, positions, slot_mapping, query_start_loc, context_lens_t, block_tables = host.to(dev).split(
-            [rows, rows, rows, count + 1, count, count * width])
+        count = len(chunks)
+        input_ids, positions, slot_mapping, query_start_loc, context_lens_t, block_tables = self._tensors(
+            ids, positions_, slots, ends, context_lens, tables)
         meta = attention.PagedMetadata(
             k_caches=self.k_caches, v_caches=self.v_caches, slot_mapping=slot_mapping, slots_valid=min(slots) >= 0,
             query_start_loc=query_start_loc, context_lens=context_lens_t, block_tables=block_tables.view(count, width),
@@ -195,8 +191,7 @@ class ModelRunner:
         positions_ = [seq.num_computed_tokens for seq in seqs]
         ids = [seq.tokens[position] for seq, position in zip(seqs, positions_)]
         context_lens = [position + 1 for position in positions_]
-        host = torch.frombuffer(array.array("q", ids + positions_ + slots + context_lens), dtype=torch.long)
-        input_ids, positions, slot_mapping, context_lens_t = host.to(self.device).split(count)
+        input_ids, positions, slot_mapping, context_lens_t = self._tensors(ids, positions_, slots, context_lens)
         assert self.mirror is not None and self.direct is not None
         self.mirror.advance(slot_mapping)
         meta = attention.PagedMetadata(
@@ -206,6 +201,15 @@ class ModelRunner:
             all_decode=True, max_query_len=1, max_context_len=max(context_lens), mirror=self.mirror)
         with self.adapters.using(()):
             return self._logits(self.direct(input_ids, positions, meta))
+
+    def _tensors(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+        """The step's integer lists as int64 tensors on the device, made at once: one array, one copy (torch.tensor
+        of a list converts element by element, 3.5x slower at a decode step's ~450 numbers)."""
+        flat: list[int] = []
+        for numbers in lists:
+            flat += numbers
+        host = torch.frombuffer(array.array("q", flat), dtype=torch.long)
+        return host.to(self.device).split([len(numbers) for numbers in lists])
 
     def _copy_blocks(self, copies) -> None:
         for src, dst in copies:  # copy-on-write of shared partial blocks, before anyone writes them

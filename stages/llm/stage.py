@@ -233,9 +233,8 @@ class LLMStage(LoopStage):
         GPU."""
         if not self.runner.plan_free:
             return False
-        seqs = self.scheduler.decoding()
-        if seqs is None or not self.runner.continues(seqs) or \
-                any(self._owner[seq.seq_id].state["unforked"] for seq in seqs):
+        seqs = self.scheduler.decoding()  # (n > 1: a parent forks at its first token, sampled by a planned step)
+        if seqs is None or not self.runner.continues(seqs):
             return False
         logits = self.runner.continue_decode(seqs, self.scheduler.append_slots(seqs))
         self._forward_seqs.observe(len(seqs))
