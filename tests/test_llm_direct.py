@@ -1,6 +1,7 @@
 """The direct decoder (stages/llm/direct.py) gives transformers' decoder forward bit for bit, for every model type it
 serves (Llama; Mistral's sliding window; Qwen2's biases; Qwen3's q/k norms), on a packed step of two prefill chunks
-and on the decode step after it; other decoders are left to transformers."""
+and on the decode step after it, and the rows that sample to rounding where its last layer goes on with them alone;
+other decoders are left to transformers."""
 
 from __future__ import annotations
 
@@ -89,6 +90,41 @@ def test_the_direct_decoder_equals_transformers_bit_for_bit(arch, dtype):
         assert torch.equal(got, want), f"{arch}: {(got - want).abs().max()}"
     for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
         assert torch.equal(a, b)  # the same keys and values written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", sorted(SERVED))
+@torch.inference_mode()
+def test_the_last_layer_goes_on_with_the_rows_that_sample(arch, dtype):
+    """With `sampled` (the rows that sample and their decode-row metadata, as the runner makes them for a prefill or
+    a mixed step) the last layer's queries, attention, output projection and MLP run for those rows alone; their
+    hidden states are the full forward's to rounding, and every row's key and value is written, bit for bit."""
+    model = tiny(*SERVED[arch]).to(dtype)
+    direct = DirectDecoder(model.model)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (16, BLOCK, config.num_key_value_heads, head_dim)
+    full_caches, sampled_caches = (tuple([torch.zeros(shape, dtype=dtype) for _ in range(2)] for _ in range(2))
+                                   for _ in range(2))
+    rows_seen: list[int] = []
+    hook = model.model.layers[-1].mlp.register_forward_pre_hook(lambda module, args: rows_seen.append(len(args[0])))
+    gen = torch.Generator().manual_seed(2)
+    for lengths, starts in (([9, 5], [0, 0]), ([3, 1], [9, 5]), ([20, 1], [0, 6])):  # prefills; a chunk and a decode
+        ids = torch.randint(0, 100, (sum(lengths),), generator=gen)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+        full = direct(ids, positions, metadata(full_caches, lengths, starts))
+        meta = metadata(sampled_caches, lengths, starts)
+        last = torch.tensor(lengths).cumsum(0) - 1
+        tail = attention.PagedMetadata(
+            k_caches=sampled_caches[0], v_caches=sampled_caches[1], slot_mapping=meta.slot_mapping[last],
+            query_start_loc=torch.arange(3), context_lens=meta.context_lens, block_tables=meta.block_tables,
+            all_decode=True, max_query_len=1, max_context_len=int(meta.context_lens.max()))
+        got = direct(ids, positions, meta, (last, tail))
+        assert rows_seen[-2:] == [sum(lengths), 2]  # the full forward's last MLP, then the sampled one's
+        torch.testing.assert_close(got, full[last])
+    hook.remove()
+    for a, b in zip(full_caches[0] + full_caches[1], sampled_caches[0] + sampled_caches[1]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -130,6 +130,38 @@ def test_decode_steps_without_a_plan_equal_the_planned_ones(checkpoint, referenc
         assert a["logprobs"] == b["logprobs"]
 
 
+def test_prefills_run_their_last_layer_for_the_rows_that_sample(engine, reference):
+    """A prefill's (and a mixed step's) last layer goes on with the rows that sample alone (DirectDecoder's
+    `sampled`): prompts prefilled in chunks beside other requests' decodes still give generate()'s tokens, and
+    every token's log-probability is the model's own."""
+    runner = engine.chat_model("m").stage.runner
+    assert runner.direct is not None
+    steps: list[tuple[int, int]] = []  # (rows of the step, rows past its last layer)
+    direct = runner.direct
+
+    def counting(input_ids, positions, meta, sampled=None):
+        hidden = direct(input_ids, positions, meta, sampled)
+        steps.append((len(input_ids), len(hidden)))
+        return hidden
+
+    runner.direct = counting
+    try:
+        prompts = [_prompt(reference[1], i) for i in (2, 5, 7)]
+        handles = [_run(engine, p, max_tokens=12, logprobs=True, **GREEDY) for p in prompts]
+        outs = [h.result(timeout=120)["choices"][0] for h in handles]
+    finally:
+        runner.direct = direct
+    assert any(1 <= past < rows for rows, past in steps), steps
+    for p, out in zip(prompts, outs):
+        tokens = out["token_ids"]
+        assert tokens == _generate(reference, p, 12)
+        with torch.inference_mode():
+            logits = reference[0](torch.tensor([p + tokens])).logits[0, len(p) - 1:-1]
+        expected = logits.float().log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+        got = torch.tensor([entry["logprob"] for entry in out["logprobs"]])
+        assert torch.allclose(got, expected, atol=1e-4), (got, expected)
+
+
 def _streams_as_generate(eng, reference, count: int, interval: int = 1) -> list[list[int]]:
     """`count` greedy requests of 24 tokens and one with a stop string: each one's tokens are generate()'s and its
     deltas' text joined is its output's, the first token's delta alone, then `interval` tokens a delta (the last

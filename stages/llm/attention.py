@@ -58,14 +58,20 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
 
 def paged_attention(layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata,
                     scaling: float | None = None, sliding_window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sampled: PagedMetadata | None = None) -> torch.Tensor:
     """One layer's attention for the packed step: q [T, Hq, D], this step's key/value [T, Hkv, D] (written into
-    the paged cache first, or into the mirror of a step it continues) -> [T, Hq, D]."""
+    the paged cache first, or into the mirror of a step it continues) -> [T, Hq, D].
+    `sampled`: only the rows that sample go on past this layer (the last, of a prefill: `DirectDecoder`); q holds
+    those rows [S, Hq, D], each the last of its chunk, and they attend as the decode rows `sampled` describes, after
+    every row's key and value is written -> [S, Hq, D]."""
     mirror = meta.mirror
     continued = mirror is not None and not mirror.fresh  # the mirror holds this step's keys (the cache: at its flush)
     if not continued:
         write_kv(key, value, meta.k_caches[layer], meta.v_caches[layer], meta.slot_mapping,
                  all_valid=meta.slots_valid)
+    if sampled is not None:
+        assert mirror is None, "a step that continues the mirror samples every row"
+        meta = sampled
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if meta.all_decode and sliding_window is None and softcap is None and q.is_cuda:  # the Triton decode kernel
         return decode_attention(q, meta.k_caches[layer], meta.v_caches[layer], meta.block_tables, meta.context_lens,

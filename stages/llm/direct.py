@@ -7,7 +7,7 @@ small model, that is a measurable share of a decode step (the demo Llama, 16 row
 the same layers written out). This forward calls the same modules (embeddings, norms, projections, rotary
 embedding, MLP: so LoRA and quantized layers work unchanged) and rotates as the model's `apply_rotary_pos_emb` does
 (`Rotary`), in the same order on the same values, so its hidden states equal the decoder's bit for bit
-(tests/test_llm_direct.py).
+(tests/test_llm_direct.py; a prefill's, which skips the last layer's rows that do not sample: to rounding).
 Where a module is exactly the class it claims and bare (no hooks, no patched forward), the op its forward is runs
 without the module call (linear layers, the MLP, torch's rms_norm for the norms): the same ops, less Python
 (-2.4 % a round of 16 requests, alternated in one engine).
@@ -98,8 +98,11 @@ class Rotary:
 
     @staticmethod
     def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
-        half = q.shape[-1] // 2
-        return q * cos + q.roll(half, -1) * signed_sin, k * cos + k.roll(half, -1) * signed_sin
+        return Rotary.one(q, cos, signed_sin), Rotary.one(k, cos, signed_sin)
+
+    @staticmethod
+    def one(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class DirectDecoder:
@@ -153,25 +156,43 @@ class DirectDecoder:
             all(hasattr(layer.self_attn, name) for layer in layers for name in ("q_proj", "k_proj", "v_proj",
                                                                                    "o_proj", "head_dim", "scaling"))
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: attention.PagedMetadata) -> torch.Tensor:
-        """input_ids, positions [T] (the packed step) -> the last hidden states [T, H]."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: attention.PagedMetadata,
+                 sampled: tuple[torch.Tensor, attention.PagedMetadata] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] (the packed step) -> the last hidden states [T, H]; with `sampled` (the packed
+        rows that sample, and their metadata as decode rows) only theirs, [S, H]: the last layer computes every
+        row's key and value (the cache keeps them), and from its queries on it goes on with those rows alone
+        (llama.cpp's output rows). Of a prefill only the last row samples: its other rows skip the queries, the
+        attention, the output projection and the MLP of one layer (a quarter of the demo Llama's prefill less
+        the keys and values). Those rows equal the full layer's to rounding, not bit for bit: a product of a
+        few rows rounds apart from the same rows in a large one, and they attend as decode rows."""
         decoder = self.decoder
         hidden = decoder.embed_tokens(input_ids)  # [T, H]
-        exact = self.rotary.exact
         cos, sin = self._cos_sin(hidden, positions, meta.max_context_len)
-        tokens = hidden.shape[0]
-        for layer, (attn, window, qk_norms) in zip(self.layers, self.attention):
+        last = len(self.layers) - 1
+        for i, (layer, (attn, window, qk_norms)) in enumerate(zip(self.layers, self.attention)):
+            rows, tail = sampled if sampled is not None and i == last else (None, None)
             residual = hidden
             hidden = norm(layer.input_layernorm, hidden)
-            shape = (tokens, -1, attn.head_dim)
-            q = linear(attn.q_proj, hidden).view(shape)  # [T, heads, D]
-            k = linear(attn.k_proj, hidden).view(shape)
-            v = linear(attn.v_proj, hidden).view(shape)
+            k = linear(attn.k_proj, hidden).view(hidden.shape[0], -1, attn.head_dim)  # [T, kv heads, D]
+            v = linear(attn.v_proj, hidden).view(k.shape)
+            if rows is not None:  # the layer goes on with the rows that sample: the queries are theirs alone
+                hidden, residual = hidden[rows], residual[rows]
+            q = linear(attn.q_proj, hidden).view(hidden.shape[0], -1, attn.head_dim)  # [T or S, heads, D]
             if qk_norms:
                 q, k = norm(attn.q_norm, q), norm(attn.k_norm, k)
-            q, k = self.rotary.apply(q, k, cos, sin) if exact else self.rotary.theirs(q, k, cos, sin, unsqueeze_dim=1)
-            out = attention.paged_attention(attn.layer_idx, q, k, v, meta, attn.scaling, window)
-            hidden = residual + linear(attn.o_proj, out.reshape(tokens, -1))
+            q, k = self._rotate(q, k, cos, sin, rows)
+            out = attention.paged_attention(attn.layer_idx, q, k, v, meta, attn.scaling, window, sampled=tail)
+            hidden = residual + linear(attn.o_proj, out.reshape(q.shape[0], -1))
             hidden = hidden + mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden))
         return norm(decoder.norm, hidden)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k turned to their positions; `rows`: q holds only those rows of the step."""
+        if rows is None:
+            return self.rotary.apply(q, k, cos, sin) if self.rotary.exact else \
+                self.rotary.theirs(q, k, cos, sin, unsqueeze_dim=1)
+        if self.rotary.exact:
+            return Rotary.one(q, cos[rows], sin[rows]), Rotary.one(k, cos, sin)
+        return (self.rotary.theirs(q, q, cos[rows], sin[rows], unsqueeze_dim=1)[0],
+                self.rotary.theirs(k, k, cos, sin, unsqueeze_dim=1)[0])

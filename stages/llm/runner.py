@@ -158,9 +158,17 @@ class ModelRunner:
         else:
             positions = positions[None]
         adapted = any(c.seq.lora for c in chunks)  # then each token runs with its request's adapters
+        last = [end - 1 for end, c in zip(ends[1:], chunks) if c.sample]
+        kept = any(c.seq.hidden is not None for c in chunks)
         with rows_use([c.seq.lora for c in chunks for _ in c.token_ids] if adapted else ()):
             if self.direct is not None and "input_ids" in inputs:
-                hidden = self.direct(input_ids, positions[0], meta)  # [T, H]
+                # a prefill's last layer goes on with the rows that sample alone (not with adapters: they select
+                # by row; nor where a sequence keeps every row's hidden state)
+                sampled = None if len(last) in (0, len(ids)) or adapted or kept else self._sampled(
+                    chunks, last, meta, block_tables.view(count, width))
+                hidden = self.direct(input_ids, positions[0], meta, sampled)  # [T or sampling rows, H]
+                if sampled is not None:
+                    return self._logits(hidden)
             else:
                 hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
                                       paged=meta).last_hidden_state[0]
@@ -170,10 +178,20 @@ class ModelRunner:
                 del c.seq.hidden[c.start:]
                 c.seq.hidden.extend(hidden[row:row + len(c.token_ids)].float().cpu().unbind(0))
             row += len(c.token_ids)
-        last = [end - 1 for end, c in zip(ends[1:], chunks) if c.sample]
         if len(last) < hidden.shape[0]:  # (in a decode step every row samples: the rows are the hidden states)
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=dev)]
         return self._logits(hidden)
+
+    def _sampled(self, chunks, last: list[int], meta: attention.PagedMetadata, tables: torch.Tensor):
+        """The packed rows that sample and their metadata as decode rows (each the last of its chunk, attending to
+        its whole context): what a prefill's last layer needs (DirectDecoder)."""
+        which = [i for i, c in enumerate(chunks) if c.sample]
+        rows, index = self._tensors(last, which)
+        return rows, attention.PagedMetadata(
+            k_caches=self.k_caches, v_caches=self.v_caches, slot_mapping=meta.slot_mapping[rows],
+            slots_valid=meta.slots_valid, query_start_loc=torch.arange(len(last) + 1, device=self.device),
+            context_lens=meta.context_lens[index], block_tables=tables[index], all_decode=True, max_query_len=1,
+            max_context_len=max(chunks[i].context_len for i in which))
 
     def continues(self, seqs: list[Sequence]) -> bool:
         """Whether the decode step of `seqs` (Scheduler.decoding: each one token further) may run as
