@@ -71,8 +71,9 @@ def short_mlp(module: Any) -> bool:
 
 
 def mlp(module: Any, x: torch.Tensor) -> torch.Tensor:
-    if short_mlp(module):
-        return linear(module.down_proj, F.silu(linear(module.gate_proj, x)) * linear(module.up_proj, x))
+    if short_mlp(module):  # in place on the gate's fresh product: the same values, two products' memory less
+        gated = F.silu(linear(module.gate_proj, x), inplace=True).mul_(linear(module.up_proj, x))
+        return linear(module.down_proj, gated)
     return module(x)
 
 
@@ -182,8 +183,9 @@ class DirectDecoder:
                 q, k = norm(attn.q_norm, q), norm(attn.k_norm, k)
             q, k = self._rotate(q, k, cos, sin, rows)
             out = attention.paged_attention(attn.layer_idx, q, k, v, meta, attn.scaling, window, sampled=tail)
-            hidden = residual + linear(attn.o_proj, out.reshape(q.shape[0], -1))
-            hidden = hidden + mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden))
+            # (x + residual in place on the fresh x: a sum is the same either way round)
+            hidden = linear(attn.o_proj, out.reshape(q.shape[0], -1)).add_(residual)
+            hidden = mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden)).add_(hidden)
         return norm(decoder.norm, hidden)
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
