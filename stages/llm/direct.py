@@ -183,9 +183,8 @@ class DirectDecoder:
                 q, k = norm(attn.q_norm, q), norm(attn.k_norm, k)
             q, k = self._rotate(q, k, cos, sin, rows)
             out = attention.paged_attention(attn.layer_idx, q, k, v, meta, attn.scaling, window, sampled=tail)
-            # (x + residual in place on the fresh x: a sum is the same either way round)
-            hidden = linear(attn.o_proj, out.reshape(q.shape[0], -1)).add_(residual)
-            hidden = mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden)).add_(hidden)
+            hidden = residual + linear(attn.o_proj, out.reshape(q.shape[0], -1))
+            hidden = hidden + mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden))
         return norm(decoder.norm, hidden)
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
