@@ -190,10 +190,10 @@ class DirectDecoder:
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k turned to their positions; `rows`: q holds only those rows of the step."""
-        if rows is None:
-            return self.rotary.apply(q, k, cos, sin) if self.rotary.exact else \
-                self.rotary.theirs(q, k, cos, sin, unsqueeze_dim=1)
+        q_cos, q_sin = (cos, sin) if rows is None else (cos[rows], sin[rows])
         if self.rotary.exact:
-            return Rotary.one(q, cos[rows], sin[rows]), Rotary.one(k, cos, sin)
-        return (self.rotary.theirs(q, q, cos[rows], sin[rows], unsqueeze_dim=1)[0],
+            return Rotary.one(q, q_cos, q_sin), Rotary.one(k, cos, sin)
+        if rows is None:
+            return self.rotary.theirs(q, k, cos, sin, unsqueeze_dim=1)
+        return (self.rotary.theirs(q, q, q_cos, q_sin, unsqueeze_dim=1)[0],
                 self.rotary.theirs(k, k, cos, sin, unsqueeze_dim=1)[0])

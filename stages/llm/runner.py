@@ -167,8 +167,6 @@ class ModelRunner:
                 sampled = None if len(last) in (0, len(ids)) or adapted or kept else self._sampled(
                     chunks, last, meta, block_tables.view(count, width))
                 hidden = self.direct(input_ids, positions[0], meta, sampled)  # [T or sampling rows, H]
-                if sampled is not None:
-                    return self._logits(hidden)
             else:
                 hidden = self.decoder(**inputs, position_ids=positions, use_cache=False,
                                       paged=meta).last_hidden_state[0]
@@ -178,7 +176,7 @@ class ModelRunner:
                 del c.seq.hidden[c.start:]
                 c.seq.hidden.extend(hidden[row:row + len(c.token_ids)].float().cpu().unbind(0))
             row += len(c.token_ids)
-        if len(last) < hidden.shape[0]:  # (in a decode step every row samples: the rows are the hidden states)
+        if len(last) < hidden.shape[0]:  # (every row samples in a decode step; `sampled`: only those rows came)
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=dev)]
         return self._logits(hidden)
 
