@@ -66,7 +66,8 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     (serve/slow_consumers.py).
     `max_body_bytes` caps JSON bodies; multipart bodies may hold the largest upload a route admits (an image
     edit's image and mask, a /v1/files upload) plus FORM_FIELDS_BYTES (serve/body_limit.py).
-    `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists).
+    `data_dir` holds the job store (videos, files, batches); None: a fresh temporary directory (nothing persists),
+    removed when the app is collected or the process exits.
     `admin_key` opens the admin routes (/v1/loras) to callers sending it; None: they answer 403.
     `tracing` (stages/tracing.py): spans per request and per stage; None: off. `log_format` "json": one JSON log
     line per request (serve/tracing.py); "text": none beyond uvicorn's access lines. Every response carries its
@@ -102,7 +103,10 @@ def create_app(engine, *, api_keys: dict[str, str] | None = None, image_store: I
     app.state.image_store = image_store or ImageStore()
     app.state.max_upload_bytes = max_upload_bytes
     app.state.created = int(time.time())  # the `created` of every model object
-    app.state.job_store = JobStore(data_dir if data_dir is not None else tempfile.mkdtemp(prefix="mmserve-jobs-"))
+    if data_dir is None:  # TemporaryDirectory: its finalizer removes it
+        app.state.scratch_dir = tempfile.TemporaryDirectory(prefix="mmserve-jobs-")
+        data_dir = app.state.scratch_dir.name
+    app.state.job_store = JobStore(data_dir)
     app.state.job_runner = JobRunner(app.state.job_store, engine, app, job_policy or JobPolicy())
     app.state.video_sessions = registry_for("video", engine.config.realtime)
     app.state.voice_sessions = registry_for("voice", engine.config.realtime)

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,18 +56,11 @@ def run_batch_command(args) -> int:
         headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         client = httpx.AsyncClient(base_url=args.server.rstrip("/"), headers=headers, timeout=None)
         return asyncio.run(run_file(client, args.input, args.output, args.endpoint, args.concurrency))
-    engine, app = _in_process(args)
-    try:
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                                   base_url="http://batch", timeout=None)
-        return asyncio.run(run_file(client, args.input, args.output, args.endpoint, args.concurrency))
-    finally:
-        engine.shutdown()
+    with tempfile.TemporaryDirectory(prefix="mmserve-batch-") as data_dir:  # the in-process server's job store
+        return _run_in_process(args, data_dir)
 
 
-def _in_process(args):
-    import tempfile
-
+def _run_in_process(args, data_dir: str) -> int:
     from pipelines.engine import Engine
     from serve.app import create_app
     from serve.cli import _load_config, _usage
@@ -78,7 +72,13 @@ def _in_process(args):
         config = _usage(lambda: engine_config(demo_specs(args.demo_dir or loaded.server.demo_dir), loaded.raw_engine))
     engine = Engine(config)
     engine.start()
-    return engine, create_app(engine, data_dir=tempfile.mkdtemp(prefix="mmserve-batch-"))
+    try:
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, data_dir=data_dir),
+                                                                 raise_app_exceptions=False),
+                                   base_url="http://batch", timeout=None)
+        return asyncio.run(run_file(client, args.input, args.output, args.endpoint, args.concurrency))
+    finally:
+        engine.shutdown()
 
 
 async def run_file(client: httpx.AsyncClient, input_path: Path, output_path: Path, endpoint: str | None,

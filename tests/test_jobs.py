@@ -134,6 +134,45 @@ def test_a_store_made_before_request_hashes_opens_and_keeps_its_keys(tmp_path):
     assert not created and job.id == "video_old" and job.request_hash is None  # no hash then: not checked
 
 
+# A job store of its own in a temporary directory when create_app is given no data_dir: removed when the process
+# ends (create_app's docstring: nothing persists), never left in the temp folder.
+NO_DATA_DIR = """
+import gc, os, sys
+from fastapi.testclient import TestClient
+from pipelines.config import EngineConfig
+from pipelines.engine import Engine
+from serve.app import create_app
+
+engine = Engine(EngineConfig(models=()))
+engine.start()
+app = create_app(engine)
+store = app.state.job_store.data_dir
+with TestClient(app) as client:
+    assert client.get("/health").status_code == 200
+assert store.is_dir() and str(store).startswith(os.environ["TMPDIR"]), store
+again = create_app(engine).state.job_store.data_dir
+gc.collect()
+assert store.is_dir() and not again.exists(), again  # a collected app takes its directory with it
+engine.shutdown()
+print(store)
+"""
+
+
+def test_an_app_without_a_data_dir_leaves_nothing_in_the_temp_folder(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_serve_support import ENV, REPO
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    run = subprocess.run([sys.executable, "-c", NO_DATA_DIR], cwd=REPO, env={**ENV, "TMPDIR": str(scratch)},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().startswith(str(scratch / "mmserve-jobs-"))
+    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("mmserve-")) == []
+
+
 # -- a stand-in video engine --------------------------------------------------------------------
 
 
