@@ -211,8 +211,8 @@ def compare_replicas(sd: str, args) -> None:
             engine.shutdown()
 
 
-def run(args) -> None:
-    tmp = tempfile.mkdtemp(prefix="mmserve-bench-dist-")
+def run(args, tmp: str) -> None:
+    """The benchmark, with the demo checkpoints and a Ray started here under `tmp`."""
     from pipelines.demo import build_demo_model
 
     sd = args.checkpoint or str(build_demo_model("sd", Path(tmp) / "sd"))
@@ -250,12 +250,17 @@ def main() -> None:
     p.add_argument("--skip-replicas", action="store_true", help="leave out the two-replicas vs two-threads part")
     p.add_argument("--ray-address", help="an existing cluster's head (default: a one-node Ray in a namespace)")
     args = p.parse_args()
-    if args.ray_address or os.environ.get(INSIDE) == "1":
-        run(args)
+    if os.environ.get(INSIDE):  # in the namespace, with the directory the process outside made
+        run(args, os.environ[INSIDE])
         return
-    cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "bash", "-c", 'ip link set lo up && "$@"', "_",
-           sys.executable, *sys.argv]
-    sys.exit(subprocess.run(cmd, env={**os.environ, INSIDE: "1"}).returncode)
+    with tempfile.TemporaryDirectory(prefix="mmserve-bench-dist-") as tmp:  # removed once Ray's processes are gone
+        if args.ray_address:
+            run(args, tmp)
+            return
+        cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "bash", "-c", 'ip link set lo up && "$@"', "_",
+               sys.executable, *sys.argv]
+        code = subprocess.run(cmd, env={**os.environ, INSIDE: tmp}).returncode
+    sys.exit(code)
 
 
 if __name__ == "__main__":

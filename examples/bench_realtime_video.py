@@ -164,9 +164,14 @@ def main() -> None:
         checkpoint = build_demo_model("sd", root / f"sd-{scale}", scale=scale)
         if args.vae == "tiny":
             checkpoint = _with_tiny_vae(checkpoint, root / f"sd-{scale}-taesd")
+    with tempfile.TemporaryDirectory(prefix="mmserve-bench-rtv-") as workdir:  # the server's config and job store
+        _bench(args, checkpoint, Path(workdir))
+
+
+def _bench(args, checkpoint: str | Path, workdir: Path) -> None:
     counts = [int(n) for n in args.sessions.split(",")]
     denoise_steps = int(args.steps * args.strength)
-    port, workdir = _free_port(), Path(tempfile.mkdtemp(prefix="mmserve-bench-rtv-"))
+    port = _free_port()
     base, url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/realtime/video"
     dtype = "float16" if args.device.startswith("cuda") else "float32"
     (workdir / "bench.toml").write_text(

@@ -11,7 +11,9 @@ from tests.test_serve_support import ENV, REPO
 
 
 def test_realtime_video_benchmark_runs_tiny(tmp_path):
-    env = {**ENV, "HOME": str(tmp_path)}  # the demo checkpoint (with its tiny VAE) builds under this HOME
+    scratch = tmp_path / "tmp"  # the server's config and job store: a temporary directory, gone at the end
+    scratch.mkdir()
+    env = {**ENV, "HOME": str(tmp_path), "TMPDIR": str(scratch)}  # the demo checkpoint builds under this HOME
     run = subprocess.run([sys.executable, "examples/bench_realtime_video.py", "--tiny"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -21,3 +23,4 @@ def test_realtime_video_benchmark_runs_tiny(tmp_path):
                              rf"latency p50 +\d+\.\d+ ms  p99 +\d+\.\d+ ms", run.stdout), run.stdout
         assert re.search(rf"sessions {n}  stream batch on/off: ratio \d+\.\d+x", run.stdout), run.stdout
     assert "(tiny VAE)" in run.stdout
+    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("mmserve-")) == []
