@@ -108,8 +108,7 @@ class ServedDiffusion(ServedImages):
 
     def close(self) -> None:
         """Stop what runs outside the serving process (a parallel replica's ranks)."""
-        if self.model.ranks is not None:
-            self.model.ranks.close()
+        self.model.close()
 
     def stages(self):
         video = isinstance(self.model, VideoFamily)

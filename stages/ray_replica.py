@@ -174,6 +174,7 @@ class ReplicaWorker:
 
     def close(self) -> None:
         self._pool.stop(timeout=5.0)
+        self._stage.close()  # the ranks of a parallel replica end here, not with the actor's kill
         self._outbox.put(None)
 
     def _done(self, item: WorkItem, outputs: dict[str, Any]) -> None:

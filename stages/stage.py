@@ -77,6 +77,10 @@ class Stage:
         A ray-backend replica answers it from its actor (leak checks across a lost replica)."""
         return {}
 
+    def close(self) -> None:
+        """Stop what the stage runs outside this process (a parallel replica's ranks); a ray-backend replica's actor
+        calls it as it stops. The local backend closes the served model instead (pipelines/engine.py)."""
+
 
 class LoopStage(Stage):
     """A stage that advances its items one step at a time (the denoise loop).

@@ -57,6 +57,10 @@ class DenoiserSpeedups(SpeedupHost):
     ranks: RankGroup | None = None  # a replica over several ranks ([models.parallel], pipelines/parallel.py)
     parallel: ParallelConfig = ParallelConfig()
 
+    def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
+
     def accelerate(self, speedups: Speedups, metrics=None) -> None:
         """At load: fused norms, regional compile and step-cache wrappers on each denoiser; graphs per config."""
         self.speedups = speedups

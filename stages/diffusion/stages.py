@@ -41,6 +41,9 @@ class DiffusionAdapter(Protocol):
     def decode_key(self, item: WorkItem) -> Hashable:
         ...
 
+    def close(self) -> None:
+        """Stop what runs outside this process (a parallel replica's ranks)."""
+
 
 class TextEncodeStage(Stage):
     kind = "text_encode"
@@ -67,6 +70,9 @@ class DenoiseStage(LoopStage):
 
     def batch_key(self, item: WorkItem) -> Hashable:
         return self.adapter.denoise_key(item)
+
+    def close(self) -> None:
+        self.adapter.close()
 
     def start(self, item: WorkItem) -> None:
         self.adapter.prepare(item)
