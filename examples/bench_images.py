@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import socket
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: pipelines/, serve/
@@ -280,18 +282,31 @@ def _batch_sizes(metrics_text: str, stage: str, since: str = "") -> str:
     return ", ".join(seen)
 
 
-def start_server(checkpoint: str, args) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    config = Path(tempfile.mkdtemp()) / "bench.toml"
-    config.write_text(f'[[models]]\nname = "bench"\npath = "{checkpoint}"\n'
-                      f'[models.pools.denoise]\nmax_batch_size = {args.concurrency}\n'
-                      f'[limits]\nmax_pixels = {max(max(args.size) ** 2, 1 << 20)}\n')
-    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--config", str(config)],
-                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _wait_ready(base, proc)
-    return proc, base
+@contextlib.contextmanager
+def bench_server(config: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`mmserve serve` on a free loopback port with `config` (TOML: models, limits; not [server]), its config and job
+    store in a temporary directory. Yields (the server process, its base URL) once it is ready; at the end the
+    server is stopped and the directory removed."""
+    with tempfile.TemporaryDirectory(prefix="mmserve-bench-") as tmp:
+        path = Path(tmp) / "bench.toml"
+        path.write_text(f'[server]\ndata_dir = "{Path(tmp) / "data"}"\n{config}')
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "--log-level", "warning", "serve", "--port",
+                                 str(port), "--config", str(path)], cwd=Path(__file__).resolve().parent.parent,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_ready(base, proc)
+            yield proc, base
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def image_server(checkpoint: str, args) -> contextlib.AbstractContextManager[tuple[subprocess.Popen, str]]:
+    return bench_server(f'[[models]]\nname = "bench"\npath = "{checkpoint}"\n'
+                        f'[models.pools.denoise]\nmax_batch_size = {args.concurrency}\n'
+                        f'[limits]\nmax_pixels = {max(max(args.size) ** 2, 1 << 20)}\n')
 
 
 def measured(fn, ours: list[int], args):
@@ -359,13 +374,9 @@ def bench_families(families: list[str], args) -> None:
         ref = DiffusionPipeline.from_pretrained(checkpoint)
         ref.set_progress_bar_config(disable=True)
         print(f"{family}: {type(ref).__name__}, checkpoint {checkpoint}, load {loadavg()}", flush=True)
-        proc, base = start_server(checkpoint, args)
-        try:
+        with image_server(checkpoint, args) as (proc, base):
             for size in args.size:
                 throughput(base, proc.pid, ref, size, args, knobs=family_knobs(family, size), label=f"{family} ")
-        finally:
-            proc.terminate()
-            proc.wait(30)
 
 
 def main() -> None:
@@ -404,13 +415,9 @@ def main() -> None:
             ours, theirs = latency(checkpoint, ref, size, args)
             print(f"latency {size}x{size}  mmserve {ours * 1000:8.1f} ms   diffusers {theirs * 1000:8.1f} ms   "
                   f"ratio {ours / theirs:.3f}x (target <= 1.05)  load {loadavg()}", flush=True)
-    proc, base = start_server(checkpoint, args)
-    try:
+    with image_server(checkpoint, args) as (proc, base):
         for size in args.size:
             throughput(base, proc.pid, ref, size, args)
-    finally:
-        proc.terminate()
-        proc.wait(30)
     print(f"load at the end {loadavg()}")
 
 

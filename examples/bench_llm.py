@@ -22,9 +22,7 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_images import _free_port, _wait_ready, loadavg, measured  # noqa: E402
+from bench_images import bench_server, loadavg, measured  # noqa: E402
 
 
 def _prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -168,16 +166,9 @@ async def _completions(base: str, prompts: list[list[int]], output: int) -> int:
 def server(checkpoint: str, ref: Generate, args) -> dict[str, float]:
     vocab, n = ref.vocab_size, args.requests
     fresh = lambda r: _prompts(vocab, n, args.server_prompt, seed=200 + r)  # noqa: E731
-    port, tmp = _free_port(), Path(tempfile.mkdtemp())
-    config = tmp / "bench.toml"
-    config.write_text(f'[server]\ndata_dir = "{tmp / "data"}"\n[[models]]\nname = "bench"\npath = "{checkpoint}"\n'
-                      f'[models.llm]\nkv_cache_mb = 256\nmax_num_seqs = {max(n, 1)}\n')
-    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--config", str(config)],
-                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(base, proc)
+    config = (f'[[models]]\nname = "bench"\npath = "{checkpoint}"\n'
+              f'[models.llm]\nkv_cache_mb = 256\nmax_num_seqs = {max(n, 1)}\n')
+    with bench_server(config) as (proc, base):
         warm = fresh(-1)  # every side once at the run's shapes
         asyncio.run(_completions(base, warm, 4))
         ref.warm(warm)
@@ -190,9 +181,6 @@ def server(checkpoint: str, ref: Generate, args) -> dict[str, float]:
                        "generate one at a time": lambda r: ref.run(fresh(r), args.server_output, False),
                        f"generate batch of {n}": lambda r: ref.run(fresh(r), args.server_output, True)},
                       n * args.server_output, args)
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def ttft(checkpoint: str, args) -> tuple[float, float]:

@@ -29,9 +29,7 @@ import io
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_images import _free_port, _wait_ready  # noqa: E402
+from bench_images import bench_server  # noqa: E402
 
 
 def _with_tiny_vae(checkpoint: Path, out: Path) -> Path:
@@ -164,25 +162,14 @@ def main() -> None:
         checkpoint = build_demo_model("sd", root / f"sd-{scale}", scale=scale)
         if args.vae == "tiny":
             checkpoint = _with_tiny_vae(checkpoint, root / f"sd-{scale}-taesd")
-    with tempfile.TemporaryDirectory(prefix="mmserve-bench-rtv-") as workdir:  # the server's config and job store
-        _bench(args, checkpoint, Path(workdir))
-
-
-def _bench(args, checkpoint: str | Path, workdir: Path) -> None:
     counts = [int(n) for n in args.sessions.split(",")]
     denoise_steps = int(args.steps * args.strength)
-    port = _free_port()
-    base, url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/realtime/video"
     dtype = "float16" if args.device.startswith("cuda") else "float32"
-    (workdir / "bench.toml").write_text(
-        f'[server]\ndata_dir = "{workdir}"\n[realtime]\nmax_video_sessions = {max(counts)}\n'
-        f'[[models]]\nname = "bench"\npath = "{checkpoint}"\nfamily = "sd"\ndevice = "{args.device}"\n'
-        f'dtype = "{dtype}"\n[models.pools.denoise]\nmax_batch_size = {max(8, max(counts) * denoise_steps)}\n')
-    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "--log-level", "warning", "serve", "--port", str(port),
-                             "--config", str(workdir / "bench.toml")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        _wait_ready(base, proc)
+    config = (f'[realtime]\nmax_video_sessions = {max(counts)}\n'
+              f'[[models]]\nname = "bench"\npath = "{checkpoint}"\nfamily = "sd"\ndevice = "{args.device}"\n'
+              f'dtype = "{dtype}"\n[models.pools.denoise]\nmax_batch_size = {max(8, max(counts) * denoise_steps)}\n')
+    with bench_server(config) as (_, base):
+        url = base.replace("http://", "ws://") + "/v1/realtime/video"
         import httpx
 
         tasks = {m["id"]: m["tasks"] for m in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]}
@@ -205,9 +192,6 @@ def _bench(args, checkpoint: str | Path, workdir: Path) -> None:
                       f"{batch:.2f} frames a forward")
             ratio = result["on "]["fps_total"] / result["off"]["fps_total"]
             print(f"sessions {n}  stream batch on/off: ratio {ratio:.2f}x fps at equal steps (target >= 1.5)")
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_images import _batch_sizes, _free_port, _wait_ready, compare_runs, loadavg, measured  # noqa: E402
+from bench_images import _batch_sizes, bench_server, compare_runs, loadavg, measured  # noqa: E402
 
 FAMILIES = ("wan", "ltx", "cogvideox", "hunyuan_video", "hunyuan_video15", "ltx2")  # text-to-video demo checkpoints
 # How often the client asks after its jobs: one GET /v1/videos for all of them (each request costs the server CPU
@@ -76,48 +75,36 @@ def throughput(checkpoint: str, args, label: str = "") -> list[float]:
     import torch
     from diffusers import DiffusionPipeline
 
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    tmp = Path(tempfile.mkdtemp())
-    config = tmp / "bench.toml"
-    config.write_text(f'[server]\ndata_dir = "{tmp / "data"}"\n'
-                      f'[jobs]\nvideo_concurrency = {max(4, args.requests)}\n'
-                      f'max_jobs_per_tenant = {max(8, 2 * args.requests)}\n'
-                      f'[[models]]\nname = "bench"\npath = "{checkpoint}"\n'
-                      f'[models.pools.denoise]\nmax_batch_size = {max(4, args.requests)}\n')
-    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--config", str(config)],
-                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    config = (f'[jobs]\nvideo_concurrency = {max(4, args.requests)}\n'
+              f'max_jobs_per_tenant = {max(8, 2 * args.requests)}\n'
+              f'[[models]]\nname = "bench"\npath = "{checkpoint}"\n'
+              f'[models.pools.denoise]\nmax_batch_size = {max(4, args.requests)}\n')
     ref = DiffusionPipeline.from_pretrained(checkpoint)  # the checkpoint's own class (model_index.json)
     ref.set_progress_bar_config(disable=True)
     params = dict(height=args.size, width=args.size, num_frames=args.frames, num_inference_steps=args.steps,
                   output_type="np")
-    n, ours_pids = args.requests, [os.getpid(), proc.pid]
+    n, ours_runs, ref_runs = args.requests, itertools.count(), itertools.count()
     # New prompts every run (the same on both sides): the server's prompt cache saves nothing across runs.
-    ours_runs, ref_runs = itertools.count(), itertools.count()
+    with bench_server(config) as (proc, base):
+        ours_pids = [os.getpid(), proc.pid]
 
-    def ours_once():
-        prefix = f"prompt {next(ours_runs)}"
-        return measured(lambda: asyncio.run(_jobs(base, "bench", args, n, prefix)), ours_pids, args)
+        def ours_once():
+            prefix = f"prompt {next(ours_runs)}"
+            return measured(lambda: asyncio.run(_jobs(base, "bench", args, n, prefix)), ours_pids, args)
 
-    def ref_once():
-        prefix = f"prompt {next(ref_runs)}"
+        def ref_once():
+            prefix = f"prompt {next(ref_runs)}"
 
-        def loop():
-            for i in range(n):
-                ref(f"{prefix} {i}", generator=torch.Generator("cpu").manual_seed(i), **params)
-        return measured(loop, ours_pids, args)
+            def loop():
+                for i in range(n):
+                    ref(f"{prefix} {i}", generator=torch.Generator("cpu").manual_seed(i), **params)
+            return measured(loop, ours_pids, args)
 
-    try:
-        _wait_ready(base, proc)
         asyncio.run(_jobs(base, "bench", args, 1, "warm"))  # warm (another prompt: nothing cached is reused)
         ref("warm 0", generator=torch.Generator("cpu").manual_seed(0), **params)
         before = httpx.get(f"{base}/metrics").text
         ratios, ours, theirs = compare_runs(args.repeats, ours_once, ref_once)
         sizes = _batch_sizes(httpx.get(f"{base}/metrics").text, "bench/denoise", since=before)
-    finally:
-        proc.terminate()
-        proc.wait(30)
     print(f"throughput {label}mmserve {ours:7.2f} s for {n} videos (server, {n} concurrent jobs)   "
           f"diffusers {theirs:7.2f} s ({n} sequential)   ratio {statistics.median(ratios):.2f}x median of "
           f"{' '.join(f'{r:.2f}' for r in ratios)} (target >= 1.0 in every run)")
