@@ -13,19 +13,15 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipelines.chat import LLM_FAMILY
-from pipelines.config import EngineConfig, ModelSpec
-from serve.config import (
-    DEFAULT_DEMO_DIR,
-    DEMO_FAMILIES,
-    IMAGE_DEMO_FAMILIES,
-    demo_specs,
-    engine_config,
-    load_config,
-    parse_model_arg,
-)
+from serve.demo_catalog import DEFAULT_DEMO_DIR, DEMO_FAMILIES, IMAGE_DEMO_FAMILIES
 from stages.redact import RedactingFormatter
+
+if TYPE_CHECKING:
+    from pipelines.config import EngineConfig, ModelSpec
+
+# The parser and --help import nothing heavy (serve/demo_catalog.py): each command imports what it runs.
 
 log = logging.getLogger("mmserve")
 
@@ -125,9 +121,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
+    from serve.config import demo_specs, engine_config
     from serve.tenants import load_tenants
 
-    loaded = _load_config(args.config, args.model)  # bad flags fail fast, before torch is imported
+    loaded = _load_config(args.config, args.model)  # bad flags fail fast, before a model loads
     server_cfg = loaded.server
     host = args.host or server_cfg.host
     port = args.port if args.port is not None else server_cfg.port
@@ -199,13 +196,17 @@ def _with_backend(config: EngineConfig, backend: str | None, ray_address: str | 
 
 
 def _load_config(path: Path | None, model_args: list[str]):
+    from serve.config import load_config
+
     specs = [_spec_from_arg(arg) for arg in model_args]
     return _usage(lambda: load_config(path, extra_models=specs))
 
 
 def _spec_from_arg(arg: str) -> ModelSpec:
     """--model NAME=PATH: the family comes from the checkpoint; an unknown one is a usage error."""
+    from pipelines.config import ModelSpec
     from pipelines.registry import detect_family
+    from serve.config import parse_model_arg
 
     name, path = _usage(lambda: parse_model_arg(arg))
     family = _usage(lambda: detect_family(path))
@@ -224,6 +225,8 @@ def _usage(build):
 
 
 def _demo_models(args) -> int:
+    from serve.config import demo_specs
+
     for spec in _usage(lambda: demo_specs(args.dir, tuple(args.families))):
         print(f"{spec.name}\t{spec.family}\t{spec.path}")
     return 0
@@ -244,8 +247,10 @@ def _convert_whisper_ct2(args) -> int:
 
 
 def _generate_image(args) -> int:
+    from pipelines.chat import LLM_FAMILY
     from pipelines.engine import Engine
     from pipelines.image_request import ImageRequest
+    from serve.config import engine_config
     from serve.schemas import parse_size
     from stages.events import StageError
 
@@ -282,6 +287,8 @@ def _generate_image(args) -> int:
 
 def _generate_model(args) -> tuple[ModelSpec, dict]:
     """The one model `generate` loads, and the [engine]/[limits]/[media] settings to load it with."""
+    from serve.config import demo_specs, load_config
+
     loaded = _usage(lambda: load_config(args.config)) if args.config else None
     raw = loaded.raw_engine if loaded else {}
     if loaded and loaded.engine:

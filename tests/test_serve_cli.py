@@ -23,6 +23,33 @@ def demo_root(sd_path) -> Path:
     return Path(sd_path).parent
 
 
+def _imported(stderr: str) -> set[str]:
+    """The modules a `python -X importtime` run imported (its stderr)."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_help_and_a_batch_run_against_a_server_import_no_torch(tmp_path):
+    """`mmserve --help` and `mmserve batch run --server URL` (an HTTP client) answer at once: neither waits for torch
+    and the model code (~9 s of imports on 2 cores); the other commands import what they run."""
+    import subprocess
+    import sys
+
+    from tests.test_serve_support import ENV, REPO, free_port
+
+    cli = [sys.executable, "-X", "importtime", "-m", "serve.cli"]
+    run = subprocess.run([*cli, "--help"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "demo-models" in run.stdout and "batch" in run.stdout, run.stderr[-2000:]
+    assert "torch" not in _imported(run.stderr) and "serve.demo_catalog" in _imported(run.stderr)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "body": {"model": "m", "messages": []}}) + "\n")
+    run = subprocess.run([*cli, "batch", "run", str(src), "-o", str(out), "--endpoint", "/v1/chat/completions",
+                          "--server", f"http://127.0.0.1:{free_port()}"], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1, run.stderr[-2000:]  # nothing listens there: the line fails, and is recorded
+    assert json.loads(out.read_text())["error"]["code"] == "request_failed"
+    assert "torch" not in _imported(run.stderr) and "serve.batch_lines" in _imported(run.stderr)
+
+
 def test_demo_models_command(demo_root, capsys):
     root = demo_root  # already built: the command finds the stamp and skips the build
     assert main(["demo-models", str(root), "--families", "sd"]) == 0
