@@ -346,7 +346,7 @@ def throughput(base: str, server_pid: int, ref, size: int, args, knobs: dict | N
         return measured(loop, ours_pids, args)
 
     asyncio.run(_burst(base, "bench", size, 1, args, "warm", knobs))  # warm both sides at this size
-    ref(prompt="warm", num_inference_steps=1, height=size, width=size, **knobs)
+    ref(prompt="warm", num_inference_steps=2, height=size, width=size, **knobs)
     before = httpx.get(f"{base}/metrics").text
     ratios, ours, theirs = compare_runs(args.repeats, ours_once, ref_once)
     sizes = _batch_sizes(httpx.get(f"{base}/metrics").text, "bench/denoise", since=before)

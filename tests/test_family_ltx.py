@@ -115,7 +115,8 @@ def test_encoded_video_decodes_to_the_frames_size_and_fps(engine, fmt):
 
 @pytest.mark.parametrize("kwargs,param", [
     (dict(num_frames=8), "num_frames"), (dict(width=48), "size"), (dict(fps=-1.0), "fps"),
-    (dict(num_inference_steps=500), "num_inference_steps")])
+    (dict(num_inference_steps=500), "num_inference_steps"),
+    (dict(num_inference_steps=1), "num_inference_steps")])  # the schedule ends at shift_terminal: two steps at least
 def test_bad_requests_name_the_field(engine, kwargs, param):
     with pytest.raises(RequestError) as err:
         engine.submit_video("m", VideoRequest(**(dict(prompt="x", width=SIZE, height=SIZE, num_frames=FRAMES)

@@ -50,6 +50,25 @@ def test_text_to_image_equals_diffusers(engine, reference, negative, scale):
     np.testing.assert_allclose(got["pixels"], ref, atol=1e-5)
 
 
+def test_one_step_is_refused_where_the_schedule_needs_two(engine, reference):
+    """The scheduler stretches its sigmas to end at shift_terminal (0.02, as Qwen-Image's own config): a one-step
+    schedule is the lone sigma 1.0, which the stretch turns into 0/0, and diffusers returns a NaN image. The engine
+    refuses one step with a RequestError naming num_inference_steps; two steps equal diffusers; its warm-up runs two."""
+    from pipelines.image_request import RequestError
+
+    common = dict(prompt="a lighthouse", width=WIDTH, height=HEIGHT)
+    with pytest.warns(RuntimeWarning, match="invalid value encountered in divide"):
+        nan = reference(**common, num_inference_steps=1, generator=seeded(3), output_type="np").images
+    assert np.isnan(nan).all()  # what one step gives in diffusers: the reason for the refusal
+    with pytest.raises(RequestError) as err:
+        engine.submit_image("m", ImageRequest(**common, num_inference_steps=1, seed=3))
+    assert err.value.param == "num_inference_steps" and "at least 2" in err.value.message, err.value.message
+    got = engine.submit_image("m", ImageRequest(**common, num_inference_steps=2, seed=3)).result(timeout=120)
+    ref = reference(**common, num_inference_steps=2, generator=seeded(3), output_type="np").images
+    np.testing.assert_allclose(got["pixels"], ref, atol=1e-5)
+    assert engine.family("m").warm_request(WIDTH, HEIGHT).num_inference_steps == 2
+
+
 def test_true_cfg_changes_the_image(engine):
     """A negative prompt with a scale above 1 guides; the same request without it does not."""
     common = dict(prompt="a lighthouse", width=WIDTH, height=HEIGHT, num_inference_steps=2, seed=3)

@@ -69,6 +69,7 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         request = request.validate(size_factor=self.size_factor, default_size=self.default_size,
                                    default_steps=self.default_steps, default_guidance=self.default_guidance,
                                    limits=limits, several_images=self.several_images)
+        self.check_steps(request.num_inference_steps)
         self.check_step_cache(request.step_cache)
         if request.lora:
             request = dataclasses.replace(request, lora=self.loras.resolve(request.lora))
@@ -81,8 +82,8 @@ class ImageFamily(DiffusionFamily[Task, ImageRequest]):
         return image.size[0] // factor * factor, image.size[1] // factor * factor
 
     def warm_request(self, width: int, height: int) -> ImageRequest:
-        """The warm-up's tiny request at one size (pipelines/served.py): text-to-image, one step."""
-        return ImageRequest(prompt="warm-up", width=width, height=height, num_inference_steps=1, seed=0)
+        """The warm-up's tiny request at one size (pipelines/served.py): text-to-image, the fewest steps."""
+        return ImageRequest(prompt="warm-up", width=width, height=height, num_inference_steps=self.min_steps, seed=0)
 
     # -- prepare helpers shared by the image families -----------------------------------------
     mask_batch_args: tuple[int | str, ...] = ("n",)  # how prepare_mask_latents takes the batch: ("n",) or (1, "n")

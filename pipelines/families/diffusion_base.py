@@ -216,6 +216,21 @@ class DiffusionFamily(DenoiserSpeedups, Generic[TaskT, RequestT]):
                 raise RequestError(key, f"model {self.name} ({self.family}) does not take {key}; {which}",
                                    code="unsupported_parameter")
 
+    @property
+    def min_steps(self) -> int:
+        """The fewest steps that make a schedule: 2 for a flow-match scheduler that stretches its sigmas to end at
+        `shift_terminal` (Qwen-Image, LTX), whose one-step schedule is the lone sigma 1.0, which the stretch divides
+        by zero (diffusers computes a NaN sigma: a black image); else 1."""
+        return 2 if self.pipe.scheduler.config.get("shift_terminal") else 1
+
+    def check_steps(self, steps: int | None) -> None:
+        if steps is not None and steps < self.min_steps:
+            terminal = self.pipe.scheduler.config.get("shift_terminal")
+            raise RequestError("num_inference_steps", f"num_inference_steps must be at least {self.min_steps} for "
+                                                      f"model {self.name}: its scheduler ends the schedule at "
+                                                      f"shift_terminal {terminal:g}, which one step cannot reach; "
+                                                      f"got {steps}")
+
     # -- facts the API layer needs --------------------------------------------------------
     @property
     def pipe(self):

@@ -167,7 +167,7 @@ class QwenImageFamily(PackedLatents, ImageFamily):
             return super().warm_request(width, height)
         # an edit checkpoint makes no text-to-image: a grey input image of the size, resized to about its own area
         return ImageRequest(prompt="warm-up", task=Task.IMAGE_TO_IMAGE, image=Image.new("RGB", (width, height),
-                            (128, 128, 128)), width=width, height=height, num_inference_steps=1, seed=0,
+                            (128, 128, 128)), width=width, height=height, num_inference_steps=self.min_steps, seed=0,
                             extra={"target_area": max(width * height, EDIT_ROUND ** 2)})
 
     @staticmethod

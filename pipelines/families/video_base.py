@@ -108,6 +108,7 @@ class VideoFamily(DiffusionFamily[VideoTask, VideoRequest]):
                                    default_frames=self.request_default_frames, default_fps=self.default_fps,
                                    default_steps=self.default_steps, default_guidance=self.default_guidance,
                                    limits=self.video.limits)
+        self.check_steps(request.num_inference_steps)
         self.check_step_cache(request.step_cache)
         return request
 
