@@ -8,23 +8,10 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 
-from tests.test_serve_support import ENV, REPO, free_port, wait_ready
+from tests.test_serve_support import ENV, REPO, free_port, mmserve_left_in, scratch_tmpdir, wait_ready
 
 README = (REPO / "README.md").read_text()
-
-
-def _scratch_env(tmp_path) -> tuple[dict[str, str], Callable[[], None]]:
-    """ENV with a TMPDIR of its own, and the check that a benchmark left nothing of its own in it (the server's config
-    and job store live in a temporary directory removed at the end)."""
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-
-    def left_nothing() -> None:
-        assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("mmserve-")) == []
-
-    return {**ENV, "TMPDIR": str(scratch)}, left_nothing
 
 
 def _block(heading: str) -> list[str]:
@@ -83,12 +70,13 @@ def test_python_api_example(tmp_path, sd_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 def test_benchmark_script_prints_ratios(sd_path, tmp_path):
-    env, left_nothing = _scratch_env(tmp_path)
+    scratch = scratch_tmpdir(tmp_path)  # the server's config and job store: a temporary directory, gone at the end
+    env = {**ENV, "TMPDIR": str(scratch)}
     run = subprocess.run([sys.executable, "examples/bench_images.py", "--checkpoint", sd_path, "--size", "64",
                           "--steps", "2", "--concurrency", "2", "--repeats", "1", "--quiet-wait", "0"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    left_nothing()
+    assert mmserve_left_in(scratch) == []
     assert re.search(r"latency .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert "denoise batch sizes reached: <=" in run.stdout
@@ -97,13 +85,14 @@ def test_llm_benchmark_script_prints_ratios(tmp_path):
     from pipelines.demo import build_demo_model
 
     checkpoint = str(build_demo_model("llama", tmp_path / "llama"))
-    env, left_nothing = _scratch_env(tmp_path)
+    scratch = scratch_tmpdir(tmp_path)  # the server's config and job store: a temporary directory, gone at the end
+    env = {**ENV, "TMPDIR": str(scratch)}
     run = subprocess.run([sys.executable, "examples/bench_llm.py", "--checkpoint", checkpoint, "--requests", "3",
                           "--prompt", "16", "--output", "8", "--server-prompt", "16", "--server-output", "8",
                           "--prefix", "64", "--repeats", "1", "--quiet-wait", "0"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    left_nothing()
+    assert mmserve_left_in(scratch) == []
     assert len(re.findall(r"ratio \d+\.\d+x", run.stdout)) == 5, run.stdout  # engine 2, server 2, TTFT
     assert len(re.findall(r"round 1/1: ", run.stdout)) == 2, run.stdout  # every run is printed
 
@@ -111,13 +100,14 @@ def test_video_benchmark_script_prints_ratios(tmp_path):
     from pipelines.demo import build_demo_model
 
     checkpoint = str(build_demo_model("wan", tmp_path / "wan"))
-    env, left_nothing = _scratch_env(tmp_path)
+    scratch = scratch_tmpdir(tmp_path)  # the server's config and job store: a temporary directory, gone at the end
+    env = {**ENV, "TMPDIR": str(scratch)}
     run = subprocess.run([sys.executable, "examples/bench_video.py", "--checkpoint", checkpoint, "--size", "32",
                           "--frames", "5", "--steps", "2", "--requests", "2", "--vae-size", "64", "--vae-frames", "5",
                           "--repeats", "1", "--quiet-wait", "0"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    left_nothing()
+    assert mmserve_left_in(scratch) == []
     assert re.search(r"throughput .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert re.search(r"vae decode .* ratio \d+\.\d+x", run.stdout), run.stdout
     assert "denoise batch sizes reached: <=" in run.stdout

@@ -7,12 +7,11 @@ import re
 import subprocess
 import sys
 
-from tests.test_serve_support import ENV, REPO
+from tests.test_serve_support import ENV, REPO, mmserve_left_in, scratch_tmpdir
 
 
 def test_realtime_video_benchmark_runs_tiny(tmp_path):
-    scratch = tmp_path / "tmp"  # the server's config and job store: a temporary directory, gone at the end
-    scratch.mkdir()
+    scratch = scratch_tmpdir(tmp_path)  # the server's config and job store: a temporary directory, gone at the end
     env = {**ENV, "HOME": str(tmp_path), "TMPDIR": str(scratch)}  # the demo checkpoint builds under this HOME
     run = subprocess.run([sys.executable, "examples/bench_realtime_video.py", "--tiny"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
@@ -23,4 +22,4 @@ def test_realtime_video_benchmark_runs_tiny(tmp_path):
                              rf"latency p50 +\d+\.\d+ ms  p99 +\d+\.\d+ ms", run.stdout), run.stdout
         assert re.search(rf"sessions {n}  stream batch on/off: ratio \d+\.\d+x", run.stdout), run.stdout
     assert "(tiny VAE)" in run.stdout
-    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("mmserve-")) == []
+    assert mmserve_left_in(scratch) == []

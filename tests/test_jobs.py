@@ -162,15 +162,14 @@ def test_an_app_without_a_data_dir_leaves_nothing_in_the_temp_folder(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_serve_support import ENV, REPO
+    from tests.test_serve_support import ENV, REPO, mmserve_left_in, scratch_tmpdir
 
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    scratch = scratch_tmpdir(tmp_path)
     run = subprocess.run([sys.executable, "-c", NO_DATA_DIR], cwd=REPO, env={**ENV, "TMPDIR": str(scratch)},
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().startswith(str(scratch / "mmserve-jobs-"))
-    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("mmserve-")) == []
+    assert mmserve_left_in(scratch) == []
 
 
 # -- a stand-in video engine --------------------------------------------------------------------

@@ -482,21 +482,20 @@ def test_batch_run_cli_in_process(models, tmp_path):
     import sys
 
     try:
-        from tests.test_serve_support import ENV, REPO
+        from tests.test_serve_support import ENV, REPO, mmserve_left_in, scratch_tmpdir
     except ImportError:
-        from test_serve_support import ENV, REPO
+        from test_serve_support import ENV, REPO, mmserve_left_in, scratch_tmpdir
 
     config = tmp_path / "m.toml"
     config.write_text(_config(models, tmp_path / "unused", ("llama",)))
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_bytes(_jsonl([{"custom_id": "a", "url": "/v1/chat/completions", "body": CHAT}, "{broken"]))
-    scratch = tmp_path / "tmp"  # the in-process server's job store is a temporary directory, gone at the end
-    scratch.mkdir()
+    scratch = scratch_tmpdir(tmp_path)  # the in-process server's job store is a temporary directory, gone at the end
     run = subprocess.run([sys.executable, "-m", "serve.cli", "--log-level", "warning", "batch", "run", str(src),
                           "-o", str(out), "--config", str(config)], cwd=REPO, env={**ENV, "TMPDIR": str(scratch)},
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1, run.stderr  # one line failed
-    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("mmserve-")) == []
+    assert mmserve_left_in(scratch) == []
     records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert records["a"]["response"]["status_code"] == 200
     assert records["#line2"]["error"]["code"] == "invalid_json"

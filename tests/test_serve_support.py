@@ -26,6 +26,18 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1", "TOKENIZERS
 SERVERS = Zygote(preload=("serve.cli", "serve.app"), env=ENV)
 
 
+def scratch_tmpdir(tmp_path: Path) -> Path:
+    """A folder to give a subprocess as its TMPDIR, so a test can see what it leaves behind (`mmserve_left_in`)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    return scratch
+
+
+def mmserve_left_in(scratch: Path) -> list[str]:
+    """The names of what mmserve left in a scratch TMPDIR (its job stores and benchmark folders: mmserve-*)."""
+    return sorted(p.name for p in scratch.iterdir() if p.name.startswith("mmserve-"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
